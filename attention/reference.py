@@ -1,0 +1,97 @@
+"""Plain-PyTorch reference of every attention op: the specification the fast kernels are tested against.
+
+Layout conventions (shared by every implementation of these ops):
+
+- The KV cache of one layer is two tensors ``[num_slots, num_kv_heads, head_dim]`` (page size 1: a slot is
+  one physical row holding one token's K or V for all KV heads).
+- A packed batch holds ``T`` query tokens of ``B`` requests back to back; ``cu_seqlens_q`` (``[B + 1]``)
+  gives each request's query range.
+- Each request reads the slots ``kv_indices[..., kv_indptr[b]:kv_indptr[b + 1]]``: one list for all KV
+  heads (``kv_indices`` of shape ``[N]``) or one list per KV head (shape ``[num_kv_heads, N]``, equal
+  lengths per request; a slot of ``-1`` is padding and is skipped). The last ``q_len`` entries of a
+  request's list are its own query tokens in order, which is what the causal mask is relative to
+  (query ``i`` of ``q_len`` sees list entries ``j <= len - q_len + i``). A sliding window ``w`` further
+  limits query ``i`` to the ``w`` entries ending at its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write the K/V of ``T`` new tokens (``[T, num_kv_heads, head_dim]``) to their slots (``[T]``)."""
+    k_cache.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _visible_mask(q_len: int, kv_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """``[q_len, kv_len]`` bool: which list entries each query token of a request may attend to."""
+    last_visible = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    entry = torch.arange(kv_len, device=device)[None, :]
+    visible = entry <= last_visible
+    if sliding_window is not None:
+        visible &= entry > last_visible - sliding_window
+    return visible
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a packed batch over per-request slot lists.
+
+    ``query`` is ``[T, num_heads, head_dim]``; query heads ``g * group .. (g + 1) * group - 1`` share KV
+    head ``g`` (GQA), computed by broadcasting, never by repeating K/V. Returns the output
+    ``[T, num_heads, head_dim]`` in the query's dtype and the log-sum-exp of the scaled logits
+    ``[T, num_heads]`` in fp32 (``-inf`` and a zero output for a query that sees no entry).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    per_head_lists = kv_indices.dim() == 2
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=query.device)
+    q_bounds = cu_seqlens_q.tolist()
+    kv_bounds = kv_indptr.tolist()
+    kv_head_index = torch.arange(num_kv_heads, device=query.device)[:, None]
+    for b in range(len(q_bounds) - 1):
+        q_start, q_end = q_bounds[b], q_bounds[b + 1]
+        kv_start, kv_end = kv_bounds[b], kv_bounds[b + 1]
+        q_len, kv_len = q_end - q_start, kv_end - kv_start
+        if q_len == 0 or kv_len == 0:
+            continue
+        if per_head_lists:
+            slots = kv_indices[:, kv_start:kv_end]  # [Hkv, L]
+            keys = k_cache[slots.clamp(min=0), kv_head_index]  # [Hkv, L, D]
+            values = v_cache[slots.clamp(min=0), kv_head_index]
+            valid = (slots >= 0)[:, None, None, :]  # [Hkv, 1, 1, L]
+        else:
+            slots = kv_indices[kv_start:kv_end]
+            keys = k_cache[slots].transpose(0, 1)  # [Hkv, L, D]
+            values = v_cache[slots].transpose(0, 1)
+            valid = torch.ones(1, 1, 1, kv_len, dtype=torch.bool, device=query.device)
+        q = query[q_start:q_end].float().reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        logits = torch.matmul(q, keys.float().transpose(-1, -2)[:, None]) * scale  # [Hkv, G, q_len, L]
+        visible = valid & _visible_mask(q_len, kv_len, sliding_window, query.device)
+        logits = logits.masked_fill(~visible, float("-inf"))
+        request_lse = torch.logsumexp(logits, dim=-1)  # [Hkv, G, q_len]
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows that see nothing give zeros
+        request_out = torch.matmul(probs, values.float()[:, None])  # [Hkv, G, q_len, D]
+        out[q_start:q_end] = request_out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+        lse[q_start:q_end] = request_lse.permute(2, 0, 1).reshape(q_len, num_heads)
+    return out.to(query.dtype), lse

@@ -1,0 +1,101 @@
+"""SpecConfig: every knob of a wrapped model in one validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+#: Draft policies known to the project; ``None`` decodes without speculation.
+DRAFT_POLICIES: tuple[str, ...] = ("pillar", "streaming", "ngram", "quest", "sparsespec_l", "oracle")
+#: Policies this release can run.
+AVAILABLE_DRAFTS: tuple[str | None, ...] = (None,)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Configuration of a :class:`~torchspec.SparseSpecForCausalLM`.
+
+    Attributes:
+        draft: draft policy name, or ``None`` to decode without speculation.
+        k: draft tokens per speculation round.
+        sparsity: fraction of a request's KV cache a sparse draft step attends to.
+        min_budget: lower bound on the number of KV tokens a sparse draft step attends to.
+        max_batch_size: most requests decoded together.
+        kv_capacity_tokens: KV slots in the pool; ``None`` sizes the pool from free device memory.
+        max_step_tokens: most query tokens in one forward step (bounds prefill chunks).
+        offload: offload KV of waiting requests to host memory when the pool is full.
+        delayed_verify: let verify requests sit out one step so host bookkeeping overlaps the GPU.
+        unified_schedule: mix draft and verify requests in every step (phase buckets).
+        compile: ``torch.compile`` the model forward; ``None`` = on where it pays (CUDA).
+        cuda_graphs: capture CUDA graphs for padded step sizes; ``None`` = on where available (CUDA).
+    """
+
+    draft: str | None = None
+    k: int = 8
+    sparsity: float = 0.05
+    min_budget: int = 128
+    max_batch_size: int = 256
+    kv_capacity_tokens: int | None = None
+    max_step_tokens: int = 2048
+    offload: bool = False
+    delayed_verify: bool = False
+    unified_schedule: bool = True
+    compile: bool | None = None
+    cuda_graphs: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.draft is not None and self.draft not in DRAFT_POLICIES:
+            raise ValueError(
+                f"unknown draft policy {self.draft!r}; choose one of {list(DRAFT_POLICIES)} or None"
+            )
+        if self.draft not in AVAILABLE_DRAFTS:
+            raise ValueError(
+                f"draft={self.draft!r} is not available in this release; use draft=None "
+                "(plain decoding on the paged engine)"
+            )
+        _require(isinstance(self.k, int) and self.k >= 1, f"k must be an integer >= 1, got {self.k!r}")
+        _require(
+            isinstance(self.sparsity, (int, float)) and 0.0 < self.sparsity <= 1.0,
+            f"sparsity must be in (0, 1], got {self.sparsity!r}",
+        )
+        _require(
+            isinstance(self.min_budget, int) and self.min_budget >= 1,
+            f"min_budget must be an integer >= 1, got {self.min_budget!r}",
+        )
+        _require(
+            isinstance(self.max_batch_size, int) and self.max_batch_size >= 1,
+            f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}",
+        )
+        _require(
+            self.kv_capacity_tokens is None
+            or (isinstance(self.kv_capacity_tokens, int) and self.kv_capacity_tokens >= 1),
+            f"kv_capacity_tokens must be None or an integer >= 1, got {self.kv_capacity_tokens!r}",
+        )
+        _require(
+            isinstance(self.max_step_tokens, int) and self.max_step_tokens >= 1,
+            f"max_step_tokens must be an integer >= 1, got {self.max_step_tokens!r}",
+        )
+        for name in ("offload", "delayed_verify", "unified_schedule"):
+            _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")
+        for name in ("compile", "cuda_graphs"):
+            _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")
+        for name in ("offload", "compile", "cuda_graphs"):
+            _require(
+                not getattr(self, name),
+                f"{name}=True is not available in this release; leave it at its default",
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> SpecConfig:
+        """Build from ``wrap()``'s keyword arguments, naming any that is not a config field."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise ValueError(f"unknown SpecConfig option(s) {unknown}; valid options are {sorted(fields)}")
+        return cls(**kwargs)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

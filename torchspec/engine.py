@@ -1,0 +1,130 @@
+"""The loop: plan -> run -> commit, until every request is finished; per-request checks and stats."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+import attention
+from torchspec.config import SpecConfig
+from torchspec.hf import routed_attention
+from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens
+from torchspec.request import FinishReason, Request, SamplingParams
+from torchspec.runner import Runner
+from torchspec.scheduler import Scheduler, StepPlan
+from torchspec.stats import GenerationStats
+
+StepCallback = Callable[[StepPlan, list[Request]], None]
+
+
+class Engine:
+    """Owns the KV pool and runs batches of requests to completion with continuous batching."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: SpecConfig,
+        layers: Sequence[LayerSpec],
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        text_config = model.config.get_text_config()
+        self.context_length: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        capacity = config.kv_capacity_tokens or auto_capacity_tokens(
+            layers, self.dtype, self.device, config.max_batch_size * (self.context_length or 32768)
+        )
+        self.pool = KVPool(layers, capacity, self.dtype, self.device)
+        self.runner = Runner(model, self.pool, layers, attention.reference, self.device, generator)
+        self._run_start = time.perf_counter()
+        self._run_steps = 0
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.pool.num_slots
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming what is wrong with one request and how to fix it."""
+        params.validate()
+        if len(prompt_ids) == 0:
+            raise ValueError("empty prompt: give at least one token")
+        if self.context_length is not None and len(prompt_ids) > self.context_length:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens is longer than the model's context of "
+                f"{self.context_length} tokens; shorten it"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}); check the tokenizer"
+            )
+        need = len(prompt_ids) + params.max_new_tokens
+        if need > self.kv_capacity_tokens:
+            raise ValueError(
+                f"the request needs up to {need} KV slots (prompt {len(prompt_ids)} + max_new_tokens "
+                f"{params.max_new_tokens}) but the pool holds {self.kv_capacity_tokens}; lower max_new_tokens "
+                "or raise kv_capacity_tokens"
+            )
+
+    def steps(self, requests: Sequence[Request]) -> Iterator[tuple[StepPlan, list[Request]]]:
+        """Run every unfinished request to completion, yielding each step's plan and finished requests.
+
+        If the loop stops early (an exception, or the consumer closing the generator), running requests
+        release their slots and keep the tokens generated so far, finished with an error.
+        """
+        self._run_start = time.perf_counter()
+        self._run_steps = 0
+        scheduler = Scheduler(self.pool.allocator, self.config.max_batch_size, self.config.max_step_tokens)
+        for request in requests:
+            if request.is_finished:
+                continue
+            if request.params.max_new_tokens == 0:
+                request.finish(FinishReason.LENGTH)
+            else:
+                scheduler.add(request)
+        try:
+            with routed_attention(self.model):
+                while scheduler.has_work():
+                    plan = scheduler.schedule()
+                    finished = scheduler.commit(plan, self.runner.run(plan))
+                    self._run_steps += 1
+                    yield plan, finished
+        finally:
+            for request in list(scheduler.running):
+                scheduler.finish(request, FinishReason.ERROR)
+                request.error = "stopped before finishing"
+            for request in scheduler.waiting:
+                request.finish(FinishReason.ERROR, "stopped before starting")
+
+    def run(self, requests: Sequence[Request], on_step: StepCallback | None = None) -> GenerationStats:
+        """Run every request to completion (see :meth:`steps`) and return the call's statistics."""
+        for plan, finished in self.steps(requests):
+            if on_step is not None:
+                on_step(plan, finished)
+        return self.stats_for(requests)
+
+    def stats_for(self, requests: Sequence[Request]) -> GenerationStats:
+        """Statistics of the last :meth:`steps` run over ``requests``."""
+        return GenerationStats(
+            num_requests=len(requests),
+            num_failed=sum(r.finish_reason is FinishReason.ERROR for r in requests),
+            prompt_tokens=sum(r.num_prompt_tokens for r in requests),
+            generated_tokens=sum(r.num_output_tokens for r in requests),
+            wall_time_s=time.perf_counter() - self._run_start,
+            steps=self._run_steps,
+        )
+
+    def new_request(self, request_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        """A request, checked; a bad one comes back already finished with its error, so others go on."""
+        request = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params)
+        try:
+            self.check_request(request.prompt_ids, params)
+        except ValueError as error:
+            request.finish(FinishReason.ERROR, str(error))
+        return request
+

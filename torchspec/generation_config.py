@@ -1,0 +1,166 @@
+"""transformers' GenerationConfig semantics: merge order, lengths, EOS/pad, and what torchspec refuses.
+
+The merge and length rules are transformers' own methods, called on the wrapped model, so precedence
+(kwargs / generation_config > model.generation_config > global defaults) is exactly what users know.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from torchspec.request import SamplingParams
+
+# GenerationConfig fields torchspec does not implement, with the values that mean "off".
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "num_beams": (None, 1),
+    "num_beam_groups": (None, 1),
+    "num_return_sequences": (None, 1),
+    "penalty_alpha": (None,),
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "force_words_ids": (None,),
+    "constraints": (None,),
+    "sequence_bias": (None,),
+    "min_p": (None,),
+    "top_h": (None,),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "diversity_penalty": (None, 0.0),
+    "guidance_scale": (None, 1.0),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "renormalize_logits": (None, False),
+    "remove_invalid_values": (None, False),
+    "stop_strings": (None,),
+    "max_time": (None,),
+    "watermarking_config": (None,),
+    "prompt_lookup_num_tokens": (None,),
+    "assistant_early_exit": (None,),
+    "use_mtp": (None, False),
+    "dola_layers": (None,),
+    "token_healing": (None, False),
+    "output_scores": (None, False),
+    "output_logits": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+}
+
+# generate() arguments outside GenerationConfig that torchspec does not implement.
+UNSUPPORTED_GENERATE_ARGS = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "synced_gpus",
+    "inputs_embeds",
+)
+
+
+@dataclass(frozen=True)
+class ResolvedGeneration:
+    """A merged GenerationConfig turned into what the engine needs."""
+
+    config: GenerationConfig
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    has_default_max_length: bool
+    has_default_min_length: bool
+
+    def sampling_params(self, max_new_tokens: int, min_new_tokens: int) -> SamplingParams:
+        config = self.config
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            do_sample=bool(config.do_sample),
+            temperature=1.0 if config.temperature is None else float(config.temperature),
+            top_k=config.top_k or 0,
+            top_p=1.0 if config.top_p is None else float(config.top_p),
+            stop_token_ids=self.eos_token_ids,
+        )
+
+    def lengths_for(self, model: Any, input_length: int) -> tuple[int, int]:
+        """(max_new_tokens, min_new_tokens) for a prompt of ``input_length`` tokens, as transformers derives
+        them from max_new_tokens / max_length / min_new_tokens / min_length."""
+        config = self.config
+        if config.max_new_tokens is not None and config.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {config.max_new_tokens}")
+        if config.max_new_tokens == 0:
+            return 0, 0
+        config = _copy(config)
+        model._prepare_generated_length(
+            config, self.has_default_max_length, self.has_default_min_length, "input_ids", input_length, None
+        )
+        model._validate_generated_length(config, input_length, self.has_default_max_length)
+        return config.max_length - input_length, max(0, (config.min_length or 0) - input_length)
+
+
+def resolve_generation_config(
+    model: Any, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+) -> ResolvedGeneration:
+    """Merge like transformers' ``generate`` and refuse, by name, every option torchspec cannot honour."""
+    for name in UNSUPPORTED_GENERATE_ARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"generate option `{name}` is not supported by torchspec")
+        kwargs.pop(name, None)
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    has_default_min_length = (
+        kwargs.get("min_length") is None
+        and (generation_config is None or generation_config.min_length is None)
+        and model.generation_config.min_length is None
+    )
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None and k != "use_cache"}
+    if model_kwargs:
+        raise ValueError(f"unsupported generate argument(s) {sorted(model_kwargs)}")
+    enabled = [
+        name for name, off in _OFF_VALUES.items() if getattr(config, name, None) not in off
+    ]
+    if enabled:
+        raise ValueError(
+            f"generation option(s) {enabled} are not supported by torchspec; unset them "
+            "(supported: max_new_tokens, max_length, min_new_tokens, min_length, do_sample, temperature, "
+            "top_k, top_p, eos_token_id, pad_token_id, return_dict_in_generate)"
+        )
+    eos = config.eos_token_id
+    eos_token_ids = () if eos is None else tuple(int(t) for t in ([eos] if isinstance(eos, int) else eos))
+    pad_token_id = config.pad_token_id
+    if pad_token_id is None and eos_token_ids:
+        warnings.warn(
+            f"Setting `pad_token_id` to `eos_token_id`:{eos_token_ids[0]} for open-end generation.", stacklevel=3
+        )
+        pad_token_id = eos_token_ids[0]
+    return ResolvedGeneration(config, eos_token_ids, pad_token_id, has_default_max_length, has_default_min_length)
+
+
+def infer_attention_mask(input_ids: torch.Tensor, resolved: ResolvedGeneration) -> torch.Tensor:
+    """transformers' rule: padding is known from pad_token_id only when it differs from every EOS id."""
+    pad = resolved.pad_token_id
+    if pad is not None and bool((input_ids == pad).any()) and pad not in resolved.eos_token_ids:
+        return (input_ids != pad).long()
+    return torch.ones_like(input_ids)
+
+
+def _copy(config: GenerationConfig) -> GenerationConfig:
+    import copy
+
+    return copy.deepcopy(config)

@@ -1,0 +1,207 @@
+"""The bridge to transformers: route a model's attention to our paged ops and read what each layer needs.
+
+The model runs unmodified as a packed ``[1, T]`` batch with per-request ``position_ids`` and
+``use_cache=False``; every attention layer calls :func:`paged_attention_forward` (registered with
+transformers' ``AttentionInterface``), which reads the step's metadata from the active forward context.
+Because the registered name has no mask function, transformers builds no attention mask for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from torchspec.kv_cache import KVPool, LayerSpec
+
+ATTENTION_NAME = "torchspec"
+
+# Keyword arguments transformers passes to attention functions that need no handling here.
+_IGNORED_ATTENTION_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
+
+
+@dataclass
+class KVView:
+    """The slot lists of a packed batch for one attention kind (full, or one sliding window size)."""
+
+    kv_indptr: torch.Tensor  # [B + 1]
+    kv_indices: torch.Tensor  # [N], or [num_kv_heads, N] for per-head lists
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step, read by every layer."""
+
+    slot_mapping: torch.Tensor  # [T]: where each new token's K/V goes
+    cu_seqlens_q: torch.Tensor  # [B + 1]
+    views: dict[int | None, KVView]  # keyed by sliding window (None = full attention)
+
+
+class AttentionContext(Protocol):
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        sliding_window: int | None,
+        extra_kwargs: dict[str, Any],
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class PagedForwardContext:
+    """A step of the engine: store new K/V in the pool, attend over each request's slot list."""
+
+    metadata: AttentionMetadata
+    pool: KVPool
+    ops: ModuleType
+
+    def attend(self, module, query, key, value, attention_mask, scaling, sliding_window, extra_kwargs):
+        layer = module.layer_idx
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        self.ops.store_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1),
+                          self.metadata.slot_mapping)
+        view = self.metadata.views[sliding_window]
+        out, _ = self.ops.paged_attention(
+            query[0].transpose(0, 1), k_cache, v_cache, self.metadata.cu_seqlens_q,
+            view.kv_indptr, view.kv_indices, scaling, sliding_window,
+        )
+        return out
+
+
+_active_context: AttentionContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(context: AttentionContext) -> Iterator[None]:
+    """Make ``context`` the one the registered attention function uses for the forwards inside."""
+    global _active_context
+    previous, _active_context = _active_context, context
+    try:
+        yield
+    finally:
+        _active_context = previous
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query`` is ``[1, H, T, D]``, K/V ``[1, Hkv, T, D]`` (RoPE applied)."""
+    if _active_context is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} only runs inside a torchspec engine step; "
+            "call generate() on the SparseSpecForCausalLM wrapper"
+        )
+    if scaling is None:
+        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    out = _active_context.attend(module, query, key, value, attention_mask, scaling, sliding_window, kwargs)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+
+
+@contextlib.contextmanager
+def routed_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Point ``model``'s attention at torchspec for the duration, then restore the user's choice."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+class UnsupportedModelError(ValueError):
+    """The model's attention cannot be routed to torchspec's paged ops."""
+
+
+class _ProbeContext:
+    """Records what every layer asks of attention, computing plain causal attention to keep going."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, LayerSpec] = {}
+        self.problems: list[str] = []
+
+    def attend(self, module, query, key, value, attention_mask, scaling, sliding_window, extra_kwargs):
+        name = type(module).__name__
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_idx is None:
+            self.problems.append(f"{name} has no `layer_idx`, so its KV cache cannot be addressed")
+        if attention_mask is not None:
+            self.problems.append(f"{name} builds its own attention mask, which paged attention cannot honour")
+        if getattr(module, "is_causal", True) is False:
+            self.problems.append(f"{name} is bidirectional (is_causal=False); only causal decoders are supported")
+        extras = sorted(
+            key for key, val in extra_kwargs.items()
+            if key not in _IGNORED_ATTENTION_KWARGS and val is not None and val is not False
+        )
+        if extras:
+            self.problems.append(f"{name} passes attention options torchspec does not implement: {extras}")
+        num_heads, num_kv_heads = query.shape[1], key.shape[1]
+        if layer_idx is not None:
+            self.layers[layer_idx] = LayerSpec(
+                layer_idx=layer_idx,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=query.shape[-1],
+                scaling=float(scaling),
+                sliding_window=sliding_window,
+            )
+        group = num_heads // num_kv_heads
+        out = F.scaled_dot_product_attention(
+            query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), is_causal=True,
+            scale=scaling,
+        )
+        return out[0].transpose(0, 1)
+
+
+def probe_attention_layers(model: torch.nn.Module) -> list[LayerSpec]:
+    """Run a 3-token forward through the routed attention and return each layer's needs.
+
+    Raises :class:`UnsupportedModelError` naming the model and the reason when its attention cannot be
+    routed (encoder-decoder, no AttentionInterface support, layers that never call attention, custom masks,
+    attention options such as logit soft-capping or sink tokens).
+    """
+    config = model.config
+    model_name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{model_name} is an encoder-decoder model; torchspec serves decoder-only LMs")
+    if not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"{model_name} does not route attention through transformers' AttentionInterface, so torchspec "
+            "cannot replace its attention; use a model class that supports `attn_implementation`"
+        )
+    probe = _ProbeContext()
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[0, 1, 2]], device=device)
+    with torch.inference_mode(), routed_attention(model), forward_context(probe):
+        model(input_ids=input_ids, position_ids=torch.arange(3, device=device)[None], use_cache=False)
+    num_layers = config.get_text_config().num_hidden_layers
+    missing = sorted(set(range(num_layers)) - set(probe.layers))
+    if missing:
+        probe.problems.append(
+            f"layers {missing} never called the attention interface (linear-attention or state-space layers?)"
+        )
+    if probe.problems:
+        raise UnsupportedModelError(f"cannot route the attention of {model_name}: " + "; ".join(
+            dict.fromkeys(probe.problems)))
+    return [probe.layers[i] for i in range(num_layers)]

@@ -1,0 +1,109 @@
+"""Request: one prompt's tokens, KV slots, sampling parameters and life cycle."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # admitted to the engine, no KV slots yet
+    RUNNING = "running"  # prefilling (in chunks) or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # produced a stop (EOS) token
+    LENGTH = "length"  # reached max_new_tokens
+    ERROR = "error"  # rejected; see Request.error
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops (transformers' semantics)."""
+
+    max_new_tokens: int = 20
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad value and its valid range."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+        if self.temperature is None or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.top_p is None or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    """State of one generation request inside the engine.
+
+    ``token_ids`` holds the prompt followed by every generated token; ``num_computed_tokens`` of them have
+    their K/V in the pool, at ``slots[i]`` for position ``i``. A step feeds the tokens from
+    ``num_computed_tokens`` on (a prefill chunk, or the one newest token when decoding) and samples when the
+    last token was fed.
+    """
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose K/V is not computed yet (the rest of the prompt, or the newest token)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most KV slots this request can ever hold: the worst case admission reserves."""
+        return self.num_prompt_tokens + self.params.max_new_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.perf_counter()

@@ -1,0 +1,59 @@
+"""Token selection on fp32 logits, in transformers' order: min-new-tokens, temperature, top-k, top-p."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torchspec.request import SamplingParams
+
+
+def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[int], stop_token_ids: Sequence[Sequence[int]]) -> None:
+    """Forbid each listed row's stop tokens (in place): the row has not reached ``min_new_tokens`` yet."""
+    for row, stops in zip(rows, stop_token_ids, strict=True):
+        if stops:
+            logits[row, list(stops)] = float("-inf")
+
+
+def warp_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Per-row temperature, top-k (0 = off) and top-p, exactly as transformers' warpers compute them.
+
+    ``logits`` is ``[R, V]`` fp32; the parameters are ``[R]``. Filtered entries become ``-inf``.
+    """
+    vocab_size = logits.shape[-1]
+    logits = logits / temperature[:, None]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+    kth_largest = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    ascending, order = logits.sort(dim=-1, descending=False)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)[:, None]
+    remove_sorted[:, -1] = False  # always keep the most likely token
+    remove = remove_sorted.scatter(1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row of ``logits`` (``[R, V]`` fp32): argmax for greedy rows, multinomial otherwise."""
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        chosen = [params[row] for row in sampled_rows]
+        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device)  # noqa: E731
+        warped = warp_logits(
+            logits[rows],
+            as_tensor([p.temperature for p in chosen], torch.float32),
+            as_tensor([p.top_k for p in chosen], torch.int64),
+            as_tensor([p.top_p for p in chosen], torch.float32),
+        )
+        probs = warped.softmax(dim=-1)
+        tokens[rows] = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    return tokens
