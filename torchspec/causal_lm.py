@@ -95,7 +95,9 @@ class SparseSpecForCausalLM(torch.nn.Module):
         if attention_mask is None:
             attention_mask = infer_attention_mask(input_ids, resolved)
         if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
+            )
         max_new_tokens, min_new_tokens = resolved.lengths_for(self.model, input_ids.shape[1])
         params = resolved.sampling_params(max_new_tokens, min_new_tokens)
         engine = self.engine

@@ -46,9 +46,7 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.draft is not None and self.draft not in DRAFT_POLICIES:
-            raise ValueError(
-                f"unknown draft policy {self.draft!r}; choose one of {list(DRAFT_POLICIES)} or None"
-            )
+            raise ValueError(f"unknown draft policy {self.draft!r}; choose one of {list(DRAFT_POLICIES)} or None")
         if self.draft not in AVAILABLE_DRAFTS:
             raise ValueError(
                 f"draft={self.draft!r} is not available in this release; use draft=None "

@@ -127,4 +127,3 @@ class Engine:
         except ValueError as error:
             request.finish(FinishReason.ERROR, str(error))
         return request
-

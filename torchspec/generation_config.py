@@ -132,9 +132,7 @@ def resolve_generation_config(
     model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None and k != "use_cache"}
     if model_kwargs:
         raise ValueError(f"unsupported generate argument(s) {sorted(model_kwargs)}")
-    enabled = [
-        name for name, off in _OFF_VALUES.items() if getattr(config, name, None) not in off
-    ]
+    enabled = [name for name, off in _OFF_VALUES.items() if getattr(config, name, None) not in off]
     if enabled:
         raise ValueError(
             f"generation option(s) {enabled} are not supported by torchspec; unset them "

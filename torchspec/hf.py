@@ -68,12 +68,19 @@ class PagedForwardContext:
     def attend(self, module, query, key, value, attention_mask, scaling, sliding_window, extra_kwargs):
         layer = module.layer_idx
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        self.ops.store_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1),
-                          self.metadata.slot_mapping)
+        self.ops.store_kv(
+            k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), self.metadata.slot_mapping
+        )
         view = self.metadata.views[sliding_window]
         out, _ = self.ops.paged_attention(
-            query[0].transpose(0, 1), k_cache, v_cache, self.metadata.cu_seqlens_q,
-            view.kv_indptr, view.kv_indices, scaling, sliding_window,
+            query[0].transpose(0, 1),
+            k_cache,
+            v_cache,
+            self.metadata.cu_seqlens_q,
+            view.kv_indptr,
+            view.kv_indices,
+            scaling,
+            sliding_window,
         )
         return out
 
@@ -151,7 +158,8 @@ class _ProbeContext:
         if getattr(module, "is_causal", True) is False:
             self.problems.append(f"{name} is bidirectional (is_causal=False); only causal decoders are supported")
         extras = sorted(
-            key for key, val in extra_kwargs.items()
+            key
+            for key, val in extra_kwargs.items()
             if key not in _IGNORED_ATTENTION_KWARGS and val is not None and val is not False
         )
         if extras:
@@ -168,7 +176,10 @@ class _ProbeContext:
             )
         group = num_heads // num_kv_heads
         out = F.scaled_dot_product_attention(
-            query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), is_causal=True,
+            query,
+            key.repeat_interleave(group, 1),
+            value.repeat_interleave(group, 1),
+            is_causal=True,
             scale=scaling,
         )
         return out[0].transpose(0, 1)
@@ -202,6 +213,7 @@ def probe_attention_layers(model: torch.nn.Module) -> list[LayerSpec]:
             f"layers {missing} never called the attention interface (linear-attention or state-space layers?)"
         )
     if probe.problems:
-        raise UnsupportedModelError(f"cannot route the attention of {model_name}: " + "; ".join(
-            dict.fromkeys(probe.problems)))
+        raise UnsupportedModelError(
+            f"cannot route the attention of {model_name}: " + "; ".join(dict.fromkeys(probe.problems))
+        )
     return [probe.layers[i] for i in range(num_layers)]

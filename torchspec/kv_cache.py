@@ -53,9 +53,7 @@ class SlotAllocator:
 class KVPool:
     """One K and one V tensor per layer, ``[num_slots, num_kv_heads, head_dim]``; layers may differ in shape."""
 
-    def __init__(
-        self, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num_slots = num_slots
         self.k = [torch.empty(num_slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layers]
         self.v = [torch.empty_like(k) for k in self.k]
