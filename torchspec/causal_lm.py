@@ -15,6 +15,7 @@ from torchspec.config import SpecConfig
 from torchspec.engine import Engine
 from torchspec.generation_config import infer_attention_mask, resolve_generation_config
 from torchspec.hf import probe_attention_layers
+from torchspec.models import find_tokenizer
 from torchspec.request import FinishReason, Request
 from torchspec.stats import GenerationStats, RequestStats
 
@@ -184,7 +185,12 @@ class SparseSpecForCausalLM(torch.nn.Module):
     def _tokenize(self, item: str | Sequence[int]) -> list[int]:
         if isinstance(item, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to sparsespec.wrap()")
+                self.tokenizer = find_tokenizer(self.model)
+            if self.tokenizer is None:
+                raise ValueError(
+                    "a text prompt needs a tokenizer and none was found beside the model: pass tokenizer= to "
+                    "sparsespec.wrap(), or give token ids"
+                )
             return list(self.tokenizer(item, add_special_tokens=False)["input_ids"])
         if isinstance(item, torch.Tensor):
             item = item.tolist()

@@ -21,7 +21,10 @@ def warp_logits(
 ) -> torch.Tensor:
     """Per-row temperature, top-k (0 = off) and top-p, exactly as transformers' warpers compute them.
 
-    ``logits`` is ``[R, V]`` fp32; the parameters are ``[R]``. Filtered entries become ``-inf``.
+    ``logits`` is ``[R, V]`` fp32; the parameters are ``[R]``. Filtered entries become ``-inf``. ``top_p``
+    should be float64: transformers forms the cut-off ``1 - top_p`` from a Python float and only then
+    rounds it to fp32, and a cut-off rounded differently drops different tokens at the boundary. Rows with
+    ``top_p == 1`` skip top-p entirely, as in transformers.
     """
     vocab_size = logits.shape[-1]
     logits = logits / temperature[:, None]
@@ -30,7 +33,8 @@ def warp_logits(
     logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     ascending, order = logits.sort(dim=-1, descending=False)
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)[:, None]
+    cutoff = (1 - top_p.double()).to(cumulative.dtype)
+    remove_sorted = (cumulative <= cutoff[:, None]) & (top_p < 1)[:, None]
     remove_sorted[:, -1] = False  # always keep the most likely token
     remove = remove_sorted.scatter(1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
@@ -52,7 +56,7 @@ def sample_tokens(
             logits[rows],
             as_tensor([p.temperature for p in chosen], torch.float32),
             as_tensor([p.top_k for p in chosen], torch.int64),
-            as_tensor([p.top_p for p in chosen], torch.float32),
+            as_tensor([p.top_p for p in chosen], torch.float64),
         )
         probs = warped.softmax(dim=-1)
         tokens[rows] = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)

@@ -1,0 +1,336 @@
+"""Tests of the plain-PyTorch reference attention ops against dense ``scaled_dot_product_attention``.
+
+Every expected value is built independently of the op under test: K/V are kept as dense per-request tensors
+(ordered by position), written into a larger pool at scattered slots with ``store_kv``, and the expectation is
+dense SDPA over the repeat-interleaved K/V with an explicit boolean position mask; the expected log-sum-exp is
+``torch.logsumexp`` of the scaled, masked logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention.reference import paged_attention, store_kv
+
+ATOL = 1e-5
+RTOL = 1e-5
+NUM_KV_HEADS = 2
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """The shapes are tiny: intra-op threads only add overhead (and stall badly on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _position_mask(q_len: int, kv_len: int, sliding_window: int | None = None) -> torch.Tensor:
+    """``[q_len, kv_len]``: query at position ``p`` sees positions ``p - w + 1 .. p`` (all ``<= p`` if no window)."""
+    mask = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    for i in range(q_len):
+        p = kv_len - q_len + i
+        lo = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+        mask[i, lo : p + 1] = True
+    return mask
+
+
+def _dense_expected(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense reference for one request: ``q`` ``[Lq, H, D]``, ``k``/``v`` ``[L, Hkv, D]``, ``mask`` ``[Lq, L]``.
+
+    Returns the output ``[Lq, H, D]`` (zeros where a query sees nothing) and the lse ``[Lq, H]``.
+    """
+    q_len, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    if k.shape[0] == 0:
+        return torch.zeros(q_len, num_heads, head_dim), torch.full((q_len, num_heads), -math.inf)
+    k_rep = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    v_rep = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    qh = q.transpose(0, 1)  # [H, Lq, D]
+    out = F.scaled_dot_product_attention(qh[None], k_rep[None], v_rep[None], attn_mask=mask, scale=scale)[0]
+    sees_any = mask.any(dim=-1)  # [Lq]
+    out = torch.where(sees_any[None, :, None], out, torch.zeros_like(out)).transpose(0, 1)
+    logits = torch.einsum("hqd,hkd->hqk", qh, k_rep) * scale
+    lse = torch.logsumexp(logits.masked_fill(~mask, -math.inf), dim=-1).transpose(0, 1)
+    return out, lse
+
+
+class _Batch:
+    """A packed batch: dense per-request K/V stored at scattered, permuted slots of a larger garbage-filled pool."""
+
+    def __init__(
+        self,
+        lens: list[tuple[int, int]],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        seed: int = 0,
+        pool_factor: int = 3,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.lens = lens
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        total_kv = sum(kv for _, kv in lens)
+        num_slots = max(4, pool_factor * total_kv)
+        # Garbage in every slot, so that reading a wrong slot cannot go unnoticed.
+        self.k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g) * 3
+        self.v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g) * 3
+        perm = torch.randperm(num_slots, generator=g)
+        self.keys, self.values, self.queries, self.slots = [], [], [], []
+        offset = 0
+        for q_len, kv_len in lens:
+            self.keys.append(torch.randn(kv_len, num_kv_heads, head_dim, generator=g))
+            self.values.append(torch.randn(kv_len, num_kv_heads, head_dim, generator=g))
+            self.queries.append(torch.randn(q_len, num_heads, head_dim, generator=g))
+            self.slots.append(perm[offset : offset + kv_len].clone())  # slot of position i
+            offset += kv_len
+        store_kv(self.k_cache, self.v_cache, torch.cat(self.keys), torch.cat(self.values), torch.cat(self.slots))
+        self.query = torch.cat(self.queries)
+        self.cu_seqlens_q = torch.tensor([0, *torch.tensor([q for q, _ in lens]).cumsum(0).tolist()])
+
+    def run(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sliding_window: int | None = None):
+        return paged_attention(
+            self.query,
+            self.k_cache,
+            self.v_cache,
+            self.cu_seqlens_q,
+            kv_indptr,
+            kv_indices,
+            self.scale,
+            sliding_window=sliding_window,
+        )
+
+    def shared_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One list for all KV heads: each request's slots in position order."""
+        indptr = torch.tensor([0, *torch.tensor([kv for _, kv in self.lens]).cumsum(0).tolist()])
+        return indptr, torch.cat(self.slots)
+
+    def expected_shared(self, sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        outs, lses = [], []
+        for (q_len, kv_len), q, k, v in zip(self.lens, self.queries, self.keys, self.values, strict=True):
+            mask = _position_mask(q_len, kv_len, sliding_window)
+            out, lse = _dense_expected(q, k, v, mask, self.scale)
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
+
+
+def _check(actual: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor]) -> None:
+    out, lse = actual
+    exp_out, exp_lse = expected
+    assert out.shape == exp_out.shape and out.dtype == exp_out.dtype
+    assert lse.shape == exp_lse.shape and lse.dtype == torch.float32
+    torch.testing.assert_close(out, exp_out, atol=ATOL, rtol=RTOL)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(exp_lse))
+    torch.testing.assert_close(lse, exp_lse, atol=ATOL, rtol=RTOL)
+
+
+SCENARIOS = {
+    # (q_len, kv_len) per request
+    "decode": [(1, 1), (1, 7), (1, 13)],
+    "verify": [(5, 12), (5, 5)],
+    "prefill_chunk": [(4, 20), (6, 6)],  # a later chunk after 16 earlier tokens; a first chunk
+    "mixed": [(1, 9), (5, 14), (3, 3), (1, 1), (6, 17)],
+}
+
+
+def test_store_kv_writes_only_the_given_slots():
+    """store_kv puts token t's K/V at slot_mapping[t], converts to the cache dtype and leaves other slots intact."""
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(10, 2, 4, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(10, 2, 4, generator=g).to(torch.bfloat16)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    key, value = torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g)
+    slots = torch.tensor([7, 2, 5])
+    store_kv(k_cache, v_cache, key, value, slots)
+    assert k_cache.dtype == torch.bfloat16 and v_cache.dtype == torch.bfloat16
+    for t, s in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[s], key[t].to(torch.bfloat16))
+        assert torch.equal(v_cache[s], value[t].to(torch.bfloat16))
+    untouched = [s for s in range(10) if s not in slots.tolist()]
+    assert torch.equal(k_cache[untouched], k_before[untouched])
+    assert torch.equal(v_cache[untouched], v_before[untouched])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa_ratio", [1, 3, 4, 8])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_shared_lists_match_sdpa(scenario, gqa_ratio, head_dim):
+    """Decode, verify (q_len 5), prefill chunks and mixed packed batches, for GQA ratios 1/3/4/8, head_dim 64/128.
+
+    Protects the gather by scattered slots, the causal offset of multi-token queries, the GQA head grouping
+    (query head h uses KV head h // ratio) and the per-request packing.
+    """
+    batch = _Batch(SCENARIOS[scenario], NUM_KV_HEADS * gqa_ratio, NUM_KV_HEADS, head_dim, seed=gqa_ratio + head_dim)
+    _check(batch.run(*batch.shared_lists()), batch.expected_shared())
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 16, 100])
+def test_sliding_window_matches_sdpa(window):
+    """A sliding window w lets query position p see exactly positions p-w+1..p (w >= kv_len means no window)."""
+    batch = _Batch(SCENARIOS["mixed"], 8, NUM_KV_HEADS, 64, seed=window)
+    _check(batch.run(*batch.shared_lists(), sliding_window=window), batch.expected_shared(window))
+
+
+def test_empty_and_length_one_lists():
+    """A request with an empty list outputs zeros with lse -inf; a length-1 list outputs that V (lse = scaled q.k).
+
+    The neighbouring requests in the same packed batch must not be disturbed.
+    """
+    lens = [(1, 0), (1, 1), (3, 8), (2, 0), (1, 1)]
+    batch = _Batch(lens, 6, NUM_KV_HEADS, 64, seed=3)
+    out, lse = batch.run(*batch.shared_lists())
+    _check((out, lse), batch.expected_shared())
+    # Explicit checks of the two edge cases, independent of SDPA.
+    assert torch.equal(out[0], torch.zeros(6, 64)) and torch.isneginf(lse[0]).all()
+    assert torch.equal(out[5:7], torch.zeros(2, 6, 64)) and torch.isneginf(lse[5:7]).all()
+    v = batch.values[1][0].repeat_interleave(3, dim=0)  # [H, D]
+    k = batch.keys[1][0].repeat_interleave(3, dim=0)
+    torch.testing.assert_close(out[1], v, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(lse[1], (batch.queries[1][0] * k).sum(-1) * batch.scale, atol=ATOL, rtol=RTOL)
+
+
+def _per_head_lists(
+    batch: _Batch, keep: list[list[torch.Tensor]], num_padding: list[int], g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-KV-head lists from ``keep[b][h]`` (sorted positions), each head padded with -1 to a common length.
+
+    Padding entries go at random places among the context entries (never among the last q_len, which must be
+    the request's own query tokens). Returns ``kv_indptr`` and ``kv_indices`` ``[Hkv, N]``.
+    """
+    rows: list[list[int]] = [[] for _ in range(batch.num_kv_heads)]
+    indptr = [0]
+    for b, (q_len, _) in enumerate(batch.lens):
+        length = max(len(p) for p in keep[b]) + num_padding[b]
+        for h, positions in enumerate(keep[b]):
+            slots = batch.slots[b][positions].tolist()
+            context, own = slots[: len(slots) - q_len], slots[len(slots) - q_len :]
+            for _ in range(length - len(slots)):
+                at = int(torch.randint(0, len(context) + 1, (1,), generator=g))
+                context.insert(at, -1)
+            rows[h].extend(context + own)
+        indptr.append(indptr[-1] + length)
+    return torch.tensor(indptr), torch.tensor(rows)
+
+
+def _expected_per_head(batch: _Batch, keep: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each KV head separately: dense SDPA of its query-head group over that head's kept positions only."""
+    group = batch.num_heads // batch.num_kv_heads
+    outs, lses = [], []
+    for b, (q_len, kv_len) in enumerate(batch.lens):
+        out = torch.zeros(q_len, batch.num_heads, batch.head_dim)
+        lse = torch.full((q_len, batch.num_heads), -math.inf)
+        for h in range(batch.num_kv_heads):
+            positions = keep[b][h]
+            heads = slice(h * group, (h + 1) * group)
+            q_pos = torch.arange(kv_len - q_len, kv_len)
+            mask = positions[None, :] <= q_pos[:, None]
+            k = batch.keys[b][positions, h : h + 1]
+            v = batch.values[b][positions, h : h + 1]
+            out[:, heads], lse[:, heads] = _dense_expected(batch.queries[b][:, heads], k, v, mask, batch.scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _random_subsets(batch: _Batch, sizes: list[list[int]], g: torch.Generator) -> list[list[torch.Tensor]]:
+    """For request b and head h: ``sizes[b][h]`` random context positions plus the request's own query positions."""
+    keep = []
+    for b, (q_len, kv_len) in enumerate(batch.lens):
+        per_head = []
+        for h in range(batch.num_kv_heads):
+            ctx = kv_len - q_len
+            chosen = torch.randperm(ctx, generator=g)[: sizes[b][h]].sort().values
+            per_head.append(torch.cat([chosen, torch.arange(ctx, kv_len)]))
+        keep.append(per_head)
+    return keep
+
+
+@pytest.mark.parametrize("gqa_ratio", [1, 4])
+def test_per_head_lists_match_per_head_sdpa(gqa_ratio):
+    """Per-KV-head lists ([Hkv, N]) with a different subset per head: each head attends only to its own subset."""
+    g = torch.Generator().manual_seed(10 + gqa_ratio)
+    batch = _Batch([(1, 12), (5, 15), (3, 9)], 3 * gqa_ratio, 3, 64, seed=gqa_ratio)
+    keep = _random_subsets(batch, [[6, 6, 6], [4, 4, 4], [5, 5, 5]], g)
+    # The subsets must really differ between heads for this test to mean anything.
+    assert not all(torch.equal(keep[0][0], keep[0][h]) for h in range(3))
+    indptr, indices = _per_head_lists(batch, keep, [0, 0, 0], g)
+    assert indices.shape == (3, int(indptr[-1]))
+    _check(batch.run(indptr, indices), _expected_per_head(batch, keep))
+
+
+@pytest.mark.parametrize("gqa_ratio", [1, 3])
+def test_per_head_lists_with_padding(gqa_ratio):
+    """Padding slots (-1) in per-head lists are skipped; heads of unequal true length share one padded length."""
+    g = torch.Generator().manual_seed(20 + gqa_ratio)
+    batch = _Batch([(1, 14), (5, 16), (1, 6), (2, 10)], 3 * gqa_ratio, 3, 64, seed=gqa_ratio)
+    keep = _random_subsets(batch, [[10, 3, 7], [2, 8, 5], [0, 5, 2], [8, 1, 4]], g)
+    indptr, indices = _per_head_lists(batch, keep, [2, 0, 1, 3], g)
+    assert (indices == -1).any()
+    _check(batch.run(indptr, indices), _expected_per_head(batch, keep))
+
+
+def test_per_head_list_all_padding_gives_zero_output():
+    """A decode head whose list is only padding outputs zeros with lse -inf; the other heads are unaffected."""
+    batch = _Batch([(1, 5)], 4, 2, 64, seed=5)
+    slots = batch.slots[0].tolist()
+    indices = torch.tensor([slots, [-1] * 5])
+    out, lse = batch.run(torch.tensor([0, 5]), indices)
+    assert torch.equal(out[:, 2:], torch.zeros(1, 2, 64)) and torch.isneginf(lse[:, 2:]).all()
+    exp_out, exp_lse = _dense_expected(
+        batch.queries[0][:, :2], batch.keys[0][:, :1], batch.values[0][:, :1], _position_mask(1, 5), batch.scale
+    )
+    torch.testing.assert_close(out[:, :2], exp_out, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(lse[:, :2], exp_lse, atol=ATOL, rtol=RTOL)
+
+
+def test_per_head_lists_empty_request():
+    """Per-head lists with an empty request in the middle: zeros and lse -inf for it, neighbours unaffected."""
+    batch = _Batch([(1, 8), (1, 0), (3, 7)], 4, 2, 64, seed=30)
+    keep = [
+        [torch.tensor([0, 2, 3, 7]), torch.tensor([1, 5, 6, 7])],
+        [torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)],
+        [torch.tensor([1, 4, 5, 6]), torch.tensor([0, 4, 5, 6])],
+    ]
+    rows = [[], []]
+    for b in range(3):
+        for h in range(2):
+            rows[h].extend(batch.slots[b][keep[b][h]].tolist())
+    indptr = torch.tensor([0, 4, 4, 8])
+    _check(batch.run(indptr, torch.tensor(rows)), _expected_per_head(batch, keep))
+
+
+def test_output_dtype_follows_query():
+    """Half-precision queries/caches give an output in the query dtype and an fp32 lse close to the fp32 result."""
+    batch = _Batch(SCENARIOS["mixed"], 8, NUM_KV_HEADS, 64, seed=7)
+    indptr, indices = batch.shared_lists()
+    out, lse = paged_attention(
+        batch.query.to(torch.bfloat16),
+        batch.k_cache.to(torch.bfloat16),
+        batch.v_cache.to(torch.bfloat16),
+        batch.cu_seqlens_q,
+        indptr,
+        indices,
+        batch.scale,
+    )
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    exp_out, exp_lse = batch.expected_shared()
+    torch.testing.assert_close(out.float(), exp_out, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(lse, exp_lse, atol=5e-2, rtol=5e-2)
+
+
+def test_heads_not_divisible_by_kv_heads_raise():
+    """A query head count that is not a multiple of the KV head count is rejected."""
+    batch = _Batch([(1, 3)], 4, 2, 64, seed=0)
+    with pytest.raises(ValueError):
+        paged_attention(
+            torch.randn(1, 3, 64), batch.k_cache, batch.v_cache, batch.cu_seqlens_q, *batch.shared_lists(), 0.125
+        )

@@ -1,0 +1,268 @@
+"""Tests of token selection: warpers bit-exact with transformers', greedy/sampled rows, stop-token suppression.
+
+The expected warped logits always come from transformers' own ``TemperatureLogitsWarper``,
+``TopKLogitsWarper`` and ``TopPLogitsWarper``, applied in that order to one row at a time, each only when
+transformers itself would apply it (temperature != 1, top_k > 0, top_p < 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from torchspec.request import SamplingParams
+from torchspec.sampling import sample_tokens, suppress_stop_tokens, warp_logits
+
+VOCAB = 1000
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """The shapes are small: intra-op threads only add overhead (and stall badly on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _hf_warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' warpers on a single ``[V]`` row, in transformers' order and with its on/off rules."""
+    scores = row[None].clone()
+    if temperature != 1.0:
+        scores = TemperatureLogitsWarper(float(temperature))(None, scores)
+    if top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores[0]
+
+
+def _warp(logits: torch.Tensor, params: list[tuple[float, int, float]]) -> torch.Tensor:
+    """warp_logits with per-row ``(temperature, top_k, top_p)``, built the way sample_tokens builds them."""
+    return warp_logits(
+        logits.clone(),
+        torch.tensor([p[0] for p in params], dtype=torch.float32),
+        torch.tensor([p[1] for p in params], dtype=torch.int64),
+        torch.tensor([p[2] for p in params], dtype=torch.float64),
+    )
+
+
+def _assert_rows_match_transformers(logits: torch.Tensor, params: list[tuple[float, int, float]]) -> None:
+    warped = _warp(logits, params)
+    assert warped.shape == logits.shape and warped.dtype == torch.float32
+    for row, (t, k, p) in enumerate(params):
+        expected = _hf_warp(logits[row], t, k, p)
+        assert torch.equal(warped[row], expected), (
+            f"row {row} (temperature={t}, top_k={k}, top_p={p}): "
+            f"{int((warped[row] != expected).sum())} entries differ; "
+            f"kept {int(torch.isfinite(warped[row]).sum())} vs transformers {int(torch.isfinite(expected).sum())}"
+        )
+
+
+def _random_logits(rows: int, seed: int, vocab: int = VOCAB, std: float = 2.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * std
+
+
+PARAM_SETS = [
+    (1.0, 0, 1.0),  # no warping at all
+    (0.7, 0, 1.0),
+    (1.6, 0, 1.0),
+    (1.0, 50, 1.0),
+    (1.0, 1, 1.0),
+    (1.0, 5000, 1.0),  # top_k above the vocabulary size
+    (1.0, 0, 0.9),
+    (1.0, 0, 0.5),
+    (0.7, 50, 0.9),
+    (1.3, 10, 0.3),
+    (0.5, 200, 0.95),
+    (0.9, 999, 0.99),
+    (1.0, VOCAB, 0.8),
+    (0.8, 0, 1e-9),  # 1 - top_p rounds to 1 in fp32: only the most likely token may survive
+]
+
+
+@pytest.mark.parametrize("params", PARAM_SETS, ids=[f"t{t}-k{k}-p{p}" for t, k, p in PARAM_SETS])
+def test_warp_matches_transformers(params):
+    """Every row is bit-identical (incl. the -inf pattern) to transformers' warpers for one parameter set."""
+    _assert_rows_match_transformers(_random_logits(8, seed=PARAM_SETS.index(params)), [params] * 8)
+
+
+def test_warp_per_row_parameters():
+    """Different parameters per row in one batch: each row equals transformers applied to that row alone."""
+    params = [PARAM_SETS[i % len(PARAM_SETS)] for i in range(2 * len(PARAM_SETS))]
+    _assert_rows_match_transformers(_random_logits(len(params), seed=1), params)
+
+
+@pytest.mark.parametrize("grid", [0.5, 1.0])
+def test_warp_with_tied_logits(grid):
+    """Logits on a coarse grid (many ties at the top-k / top-p cut): ties are kept or dropped as transformers does."""
+    logits = (_random_logits(24, seed=2) / grid).round() * grid
+    assert len(torch.unique(logits[0])) < VOCAB // 20  # really many ties
+    params = [(t, k, p) for t in (1.0, 0.8) for k in (0, 3, 20, 100) for p in (1.0, 0.9, 0.5)]
+    _assert_rows_match_transformers(logits, params)
+
+
+def test_warp_with_tied_logits_small_vocab():
+    """Small vocabularies where the top-k boundary and the top-p boundary fall inside a block of equal logits."""
+    logits = torch.tensor(
+        [
+            [2.0, 1.0, 1.0, 1.0, 0.0, 0.0],
+            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+            [3.0, 3.0, 1.0, 1.0, 1.0, -1.0],
+            [0.0, 0.0, 0.0, 5.0, 0.0, 0.0],
+        ]
+    )
+    for k in (0, 1, 2, 3, 4):
+        for p in (1.0, 0.999, 0.9, 0.6, 0.5, 0.4, 0.2):
+            _assert_rows_match_transformers(logits, [(1.0, k, p)] * 4)
+
+
+@pytest.mark.parametrize("top_p", [0.6, 0.7, 0.8, 0.9, 0.95, 0.99])
+def test_warp_top_p_boundary(top_p):
+    """Cumulative probabilities on and a few fp32 ulps around 1 - top_p are cut exactly as transformers cuts them.
+
+    Rows ``[d, 0, c]``: ``d`` swept over fp32 steps around log((1 - top_p) / top_p) and a tiny third token ``c``
+    shifting the sum by sub-ulp amounts make the cumulative probability take the fp32 values next to 1 - top_p.
+    """
+    center = torch.tensor([math.log((1 - top_p) / top_p)], dtype=torch.float32)
+    rows = []
+    for c in (-math.inf, -21.0, -20.0, -19.5, -19.0, -18.5, -18.0):
+        for direction in (math.inf, -math.inf):
+            d = center.clone()
+            for _ in range(60):
+                rows.append([d.item(), 0.0, c])
+                d = torch.nextafter(d, torch.tensor(direction))
+    logits = torch.unique(torch.tensor(rows), dim=0)
+    cumulative = logits.sort(dim=-1).values.softmax(-1).cumsum(-1)[:, 1]
+    threshold = torch.tensor(1 - top_p, dtype=torch.float32)
+    assert (cumulative < threshold).any() and (cumulative == threshold).any() and (cumulative > threshold).any()
+    _assert_rows_match_transformers(logits, [(1.0, 0, top_p)] * len(logits))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.05])
+def test_warp_top_p_off_keeps_negligible_tokens(temperature):
+    """top_p = 1 disables top-p: tokens whose probability underflows to 0 in fp32 stay finite, as in transformers."""
+    logits = torch.tensor([[0.0, -50.0, -120.0, -200.0, 1.0], [3.0, -3.0, 0.5, -2.5, 2.0]])
+    _assert_rows_match_transformers(logits, [(temperature, 0, 1.0), (temperature, 0, 1.0)])
+
+
+def test_warp_does_not_modify_its_input():
+    """warp_logits returns a new tensor and leaves the caller's logits intact."""
+    logits = _random_logits(4, seed=3)
+    before = logits.clone()
+    warp_logits(logits, torch.full((4,), 0.7), torch.full((4,), 5), torch.full((4,), 0.5))
+    assert torch.equal(logits, before)
+
+
+def test_greedy_rows_return_argmax():
+    """do_sample=False (whatever the other parameters) and temperature 0 rows give the argmax of the raw logits."""
+    logits = _random_logits(6, seed=4)
+    params = [
+        SamplingParams(),
+        SamplingParams(do_sample=False, temperature=0.5, top_k=3, top_p=0.2),
+        SamplingParams(do_sample=True, temperature=0.0),
+        SamplingParams(do_sample=True, temperature=0.0, top_k=7, top_p=0.3),
+        SamplingParams(do_sample=True, temperature=1.0),  # sampled: only checked to be a valid token
+        SamplingParams(do_sample=False, temperature=2.0),
+    ]
+    expected = logits.argmax(dim=-1)
+    for seed in range(5):
+        tokens = sample_tokens(logits.clone(), params, torch.Generator().manual_seed(seed))
+        assert tokens.shape == (6,) and tokens.dtype == torch.int64
+        for row in (0, 1, 2, 3, 5):
+            assert tokens[row] == expected[row]
+        assert 0 <= int(tokens[4]) < VOCAB
+
+
+def test_sampled_rows_with_top_k_one_return_argmax():
+    """A sampled row with top_k=1 (or a vanishing top_p) can only produce the argmax, at any temperature."""
+    logits = _random_logits(5, seed=5)
+    params = [
+        SamplingParams(do_sample=True, top_k=1),
+        SamplingParams(do_sample=True, top_k=1, temperature=3.0),
+        SamplingParams(do_sample=True, top_k=1, temperature=0.3, top_p=0.1),
+        SamplingParams(do_sample=True, top_k=1, top_p=0.99),
+        SamplingParams(do_sample=True, temperature=2.0, top_p=1e-9),
+    ]
+    for seed in range(20):
+        tokens = sample_tokens(logits, params, torch.Generator().manual_seed(seed))
+        assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    """The same generator seed gives the same tokens."""
+    logits = _random_logits(16, seed=6)
+    params = [SamplingParams(do_sample=True, temperature=1.2, top_p=0.95)] * 16
+    first = sample_tokens(logits, params, torch.Generator().manual_seed(7))
+    second = sample_tokens(logits, params, torch.Generator().manual_seed(7))
+    assert torch.equal(first, second)
+
+
+MAX_FREQUENCY_ERROR = 0.02  # ~5.7 standard errors for 20000 samples; fixed before looking at any result
+DISTRIBUTION_CASES = [(1.0, 0, 1.0), (0.8, 4, 1.0), (1.5, 0, 0.8), (0.7, 3, 0.9)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", DISTRIBUTION_CASES)
+def test_sampling_distribution_matches_warped_softmax(temperature, top_k, top_p):
+    """20000 draws on a 5-token vocabulary follow softmax(transformers-warped logits); filtered tokens never drawn."""
+    row = torch.tensor([1.0, 0.2, -0.5, 1.4, 0.6])
+    n = 20000
+    params = [SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)] * n
+    tokens = sample_tokens(row.expand(n, 5).clone(), params, torch.Generator().manual_seed(8))
+    frequencies = torch.bincount(tokens, minlength=5).double() / n
+    expected = _hf_warp(row, temperature, top_k, top_p).double().softmax(-1)
+    assert (frequencies[expected == 0] == 0).all()
+    assert (frequencies - expected).abs().max() < MAX_FREQUENCY_ERROR, (frequencies, expected)
+
+
+def test_suppress_stop_tokens():
+    """Only the listed rows' stop ids become -inf; other entries and unlisted rows are untouched."""
+    logits = _random_logits(4, seed=9, vocab=8)
+    before = logits.clone()
+    suppress_stop_tokens(logits, [0, 2, 3], [(1, 5), (7,), ()])
+    expected = before.clone()
+    expected[0, [1, 5]] = -math.inf
+    expected[2, 7] = -math.inf
+    assert torch.equal(logits, expected)
+
+
+def test_suppressed_stop_tokens_are_never_sampled():
+    """After suppression a stop token cannot be chosen, greedy or sampled, even when it is the argmax."""
+    logits = torch.zeros(2, 4)
+    logits[:, 2] = 10.0
+    suppress_stop_tokens(logits, [0, 1], [(2,), (2,)])
+    params = [SamplingParams(), SamplingParams(do_sample=True, temperature=2.0)]
+    for seed in range(20):
+        tokens = sample_tokens(logits, params, torch.Generator().manual_seed(seed))
+        assert (tokens != 2).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -0.1},
+        {"top_p": 0.0},
+        {"top_p": -0.5},
+        {"top_p": 1.01},
+        {"top_k": -1},
+        {"max_new_tokens": -1},
+    ],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_validate_rejects_out_of_range(kwargs):
+    """SamplingParams.validate raises ValueError for each out-of-range value."""
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs).validate()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"temperature": 0.0}, {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": 0}, {"max_new_tokens": 0}],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "defaults",
+)
+def test_validate_accepts_boundary_values(kwargs):
+    """The boundary values of each valid range pass validation."""
+    SamplingParams(**kwargs).validate()
