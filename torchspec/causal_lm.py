@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -45,6 +46,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
         self.model = model
         self.spec_config = config
         self.tokenizer = tokenizer
+        self._tokenizer_searched = tokenizer is not None
         self.layers = probe_attention_layers(model)
         self.last_stats = GenerationStats()
         self._engine: Engine | None = None
@@ -129,6 +131,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
         self, inputs: Sequence[str | Sequence[int]], generation_config: GenerationConfig | None, kwargs: dict
     ) -> list[Request]:
         resolved = resolve_generation_config(self.model, generation_config, kwargs)
+        resolved.sampling_params(0, 0).validate()  # call-wide values (temperature, top-p...) fail the call
         engine = self.engine
         requests = []
         for index, item in enumerate(inputs):
@@ -184,19 +187,19 @@ class SparseSpecForCausalLM(torch.nn.Module):
 
     def _tokenize(self, item: str | Sequence[int]) -> list[int]:
         if isinstance(item, str):
-            if self.tokenizer is None:
-                self.tokenizer = find_tokenizer(self.model)
+            if not self._tokenizer_searched:
+                self.tokenizer, self._tokenizer_searched = find_tokenizer(self.model), True
             if self.tokenizer is None:
                 raise ValueError(
                     "a text prompt needs a tokenizer and none was found beside the model: pass tokenizer= to "
                     "sparsespec.wrap(), or give token ids"
                 )
             return list(self.tokenizer(item, add_special_tokens=False)["input_ids"])
-        if isinstance(item, torch.Tensor):
+        if hasattr(item, "tolist"):  # torch / numpy arrays
             item = item.tolist()
-        if not all(isinstance(t, int) for t in item):
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in item):
             raise ValueError("a prompt must be a string or a list of integer token ids")
-        return list(item)
+        return [int(t) for t in item]
 
     def _output(self, request: Request) -> RequestOutput:
         text = None

@@ -3,16 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from torchspec import sparsespec
+from torchspec.causal_lm import RequestOutput, SparseSpecForCausalLM
 from torchspec.config import DRAFT_POLICIES
 from torchspec.models import DEFAULT_MODEL_NAME, load_model
 from torchspec.workloads import chat_token_ids, read_prompts
+
+
+def _at_least(minimum: float, kind: type = int):
+    """An argparse type accepting numbers of ``kind`` that are >= ``minimum``."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+
+    return parse
+
+
+def _device(text: str) -> torch.device:
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError as error:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda or auto") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("--device cuda, but this torch sees no CUDA device")
+    return device
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,18 +49,23 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", help="the prompt; omit it to use --prompts-file")
     gen.add_argument("--prompts-file", help="a .jsonl file (field 'prompt') or text file (one a line)")
     gen.add_argument("--reasoning-prompts", action="store_true", help="use the packaged AIME/OlympiadBench prompts")
-    gen.add_argument("--limit", type=int, help="use the first N prompts of the file")
+    gen.add_argument("--limit", type=_at_least(1), help="use the first N prompts of the file")
     gen.add_argument("--model", help=f"local HF directory or .gguf file (default: embedded {DEFAULT_MODEL_NAME})")
     gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--temperature", type=_at_least(0.0, float), default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--draft", default="none", choices=["none", *DRAFT_POLICIES], help="draft policy")
     gen.add_argument("--max-batch-size", type=int, default=256)
     gen.add_argument("--system", help="system message for the chat template")
     gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
-    gen.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (auto: bf16 on GPU, fp32 on CPU)")
-    gen.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
+    gen.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bf16 on GPU, fp32 on CPU",
+    )
+    gen.add_argument("--device", type=_device, default="auto", help="cpu or cuda (auto: cuda when available)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--output", help="write one JSON line per prompt to this file")
     return parser
@@ -43,68 +75,80 @@ def _generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts_file is None and not args.reasoning_prompts):
         print("error: give a prompt or --prompts-file / --reasoning-prompts (one of them)", file=sys.stderr)
         return 2
-    device = torch.device(
-        "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
-    )
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if args.temperature == 0 and (args.top_p != 1.0 or args.top_k != 0):
+        print("note: --top-p/--top-k apply only when sampling (--temperature > 0)", file=sys.stderr)
+    if args.prompt is None:
+        texts = read_prompts(None if args.reasoning_prompts else args.prompts_file, args.limit)
+    else:
+        texts = [args.prompt]
+    with contextlib.ExitStack() as stack:
+        # Open the output first: a bad path fails now, not after the whole generation.
+        sink = stack.enter_context(open(args.output, "w")) if args.output else None
+        model, tokenizer = _load(args)
+        prompts = [
+            tokenizer(text, add_special_tokens=False)["input_ids"]
+            if args.no_chat_template
+            else chat_token_ids(tokenizer, text, args.system)
+            for text in texts
+        ]
+        sampling: dict = {"max_new_tokens": args.max_new_tokens, "do_sample": args.temperature > 0}
+        if args.temperature > 0:
+            sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        if args.prompt is not None and sink is None:
+            _stream(model, tokenizer, prompts[0], sampling)
+        else:
+            outputs = model.generate_batch(prompts, **sampling)
+            for text, output in zip(texts, outputs, strict=True):
+                if sink is not None:
+                    sink.write(json.dumps(_record(text, output)) + "\n")
+                elif output.error:
+                    print(f"[{output.index}] error: {output.error}")
+                else:
+                    print(f"[{output.index}] {output.text}\n")
+    print(model.last_stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[SparseSpecForCausalLM, Any]:
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.type == "cuda" else "float32")
     torch.manual_seed(args.seed)
-    hf_model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    hf_model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
     model = sparsespec.wrap(
         hf_model,
         tokenizer=tokenizer,
         draft=None if args.draft == "none" else args.draft,
         max_batch_size=args.max_batch_size,
     )
-    if args.prompt is not None:
-        texts = [args.prompt]
-    else:
-        texts = read_prompts(None if args.reasoning_prompts else args.prompts_file, args.limit)
-    prompts = [
-        tokenizer(text, add_special_tokens=False)["input_ids"]
-        if args.no_chat_template
-        else chat_token_ids(tokenizer, text, args.system)
-        for text in texts
-    ]
-    sampling: dict = {"max_new_tokens": args.max_new_tokens, "do_sample": args.temperature > 0}
-    if args.temperature > 0:
-        sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    if args.prompt is not None and args.output is None:
-        generated: list[int] = []
-        printed = ""
-        for new_tokens in model.stream(prompts[0], **sampling):
-            generated.extend(new_tokens)
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            print(text[len(printed) :], end="", flush=True)
-            printed = text
-        print()
-    else:
-        outputs = model.generate_batch(prompts, **sampling)
-        sink = open(args.output, "w") if args.output else None  # noqa: SIM115
-        for text, output in zip(texts, outputs, strict=True):
-            record = {
-                "prompt": text,
-                "answer": output.text,
-                "finish_reason": output.finish_reason,
-                "error": output.error,
-                "generated_tokens": output.stats.generated_tokens,
-            }
-            if sink:
-                sink.write(json.dumps(record) + "\n")
-            elif output.error:
-                print(f"[{output.index}] error: {output.error}")
-            else:
-                print(f"[{output.index}] {output.text}\n")
-        if sink:
-            sink.close()
-    print(model.last_stats.summary(), file=sys.stderr)
-    return 0
+    return model, tokenizer
+
+
+def _stream(model: SparseSpecForCausalLM, tokenizer: Any, prompt: list[int], sampling: dict) -> None:
+    """Print the answer as it is generated (decoding the whole text each time keeps multi-token characters)."""
+    generated: list[int] = []
+    printed = ""
+    for new_tokens in model.stream(prompt, **sampling):
+        generated.extend(new_tokens)
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        print(text[len(printed) :], end="", flush=True)
+        printed = text
+    print()
+
+
+def _record(prompt: str, output: RequestOutput) -> dict:
+    return {
+        "prompt": prompt,
+        "answer": output.text,
+        "finish_reason": output.finish_reason,
+        "error": output.error,
+        "generated_tokens": output.stats.generated_tokens,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _generate(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

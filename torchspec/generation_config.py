@@ -6,6 +6,7 @@ The merge and length rules are transformers' own methods, called on the wrapped 
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -97,12 +98,7 @@ class ResolvedGeneration:
     def lengths_for(self, model: Any, input_length: int) -> tuple[int, int]:
         """(max_new_tokens, min_new_tokens) for a prompt of ``input_length`` tokens, as transformers derives
         them from max_new_tokens / max_length / min_new_tokens / min_length."""
-        config = self.config
-        if config.max_new_tokens is not None and config.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {config.max_new_tokens}")
-        if config.max_new_tokens == 0:
-            return 0, 0
-        config = _copy(config)
+        config = copy.deepcopy(self.config)
         model._prepare_generated_length(
             config, self.has_default_max_length, self.has_default_min_length, "input_ids", input_length, None
         )
@@ -156,9 +152,3 @@ def infer_attention_mask(input_ids: torch.Tensor, resolved: ResolvedGeneration) 
     if pad is not None and bool((input_ids == pad).any()) and pad not in resolved.eos_token_ids:
         return (input_ids != pad).long()
     return torch.ones_like(input_ids)
-
-
-def _copy(config: GenerationConfig) -> GenerationConfig:
-    import copy
-
-    return copy.deepcopy(config)

@@ -106,9 +106,10 @@ def load_model(
 
 def find_tokenizer(model: torch.nn.Module) -> Any | None:
     """The tokenizer stored with a model loaded from a local directory (or GGUF file), or None."""
-    path = Path(getattr(model, "name_or_path", "") or "")
-    if not path.is_dir():
+    name = getattr(model, "name_or_path", "") or ""
+    if not name or not Path(name).is_dir():  # a model built in memory has no files, hence no tokenizer
         return None
+    path = Path(name)
     quantization = getattr(model.config, "quantization_config", None)
     gguf_file = getattr(quantization, "gguf_file", None) or (
         quantization.get("gguf_file") if isinstance(quantization, dict) else None
