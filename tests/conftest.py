@@ -1,6 +1,8 @@
-"""Shared fixtures: the embedded SmolLM2 model, loaded once per session (fp32, CPU)."""
+"""Shared fixtures: the embedded SmolLM2 model (loaded once per session) and a one-thread guard."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,5 +13,13 @@ def smollm2():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct in fp32 on CPU."""
     from torchspec.models import load_model
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     return load_model(dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture
+def single_thread() -> Iterator[None]:
+    """Tiny shapes: intra-op threads only add overhead, and stall badly on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

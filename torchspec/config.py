@@ -52,26 +52,25 @@ class SpecConfig:
                 f"draft={self.draft!r} is not available in this release; use draft=None "
                 "(plain decoding on the paged engine)"
             )
-        _require(isinstance(self.k, int) and self.k >= 1, f"k must be an integer >= 1, got {self.k!r}")
+        _require(_is_int(self.k) and self.k >= 1, f"k must be an integer >= 1, got {self.k!r}")
         _require(
-            isinstance(self.sparsity, (int, float)) and 0.0 < self.sparsity <= 1.0,
+            isinstance(self.sparsity, (int, float)) and not isinstance(self.sparsity, bool) and 0 < self.sparsity <= 1,
             f"sparsity must be in (0, 1], got {self.sparsity!r}",
         )
         _require(
-            isinstance(self.min_budget, int) and self.min_budget >= 1,
+            _is_int(self.min_budget) and self.min_budget >= 1,
             f"min_budget must be an integer >= 1, got {self.min_budget!r}",
         )
         _require(
-            isinstance(self.max_batch_size, int) and self.max_batch_size >= 1,
+            _is_int(self.max_batch_size) and self.max_batch_size >= 1,
             f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}",
         )
         _require(
-            self.kv_capacity_tokens is None
-            or (isinstance(self.kv_capacity_tokens, int) and self.kv_capacity_tokens >= 1),
+            self.kv_capacity_tokens is None or (_is_int(self.kv_capacity_tokens) and self.kv_capacity_tokens >= 1),
             f"kv_capacity_tokens must be None or an integer >= 1, got {self.kv_capacity_tokens!r}",
         )
         _require(
-            isinstance(self.max_step_tokens, int) and self.max_step_tokens >= 1,
+            _is_int(self.max_step_tokens) and self.max_step_tokens >= 1,
             f"max_step_tokens must be an integer >= 1, got {self.max_step_tokens!r}",
         )
         for name in ("offload", "delayed_verify", "unified_schedule"):
@@ -97,3 +96,7 @@ class SpecConfig:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

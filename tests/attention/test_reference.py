@@ -16,18 +16,11 @@ import torch.nn.functional as F
 
 from attention.reference import paged_attention, store_kv
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 ATOL = 1e-5
 RTOL = 1e-5
 NUM_KV_HEADS = 2
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """The shapes are tiny: intra-op threads only add overhead (and stall badly on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _position_mask(q_len: int, kv_len: int, sliding_window: int | None = None) -> torch.Tensor:

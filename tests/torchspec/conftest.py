@@ -9,7 +9,7 @@ be computed once per session, on a model object of its own, and reused by every 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -194,12 +194,3 @@ def hf_reference() -> Reference:
         return cache[key].clone()
 
     return reference
-
-
-@pytest.fixture
-def single_thread() -> Iterator[None]:
-    """Tiny shapes: intra-op threads only add overhead, and stall badly on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -29,6 +29,8 @@ from transformers import (
 
 from torchspec import SpecConfig, sparsespec
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 VOCAB_SIZE = 128
 CONTEXT = 64  # max_position_embeddings
 EOS = 5
@@ -69,15 +71,6 @@ def _batch_error(wrapped: Any, prompts: list, **kwargs: Any) -> str:
         return str(error)
     assert all(o.finish_reason == "error" and o.error for o in outputs), [(o.finish_reason, o.error) for o in outputs]
     return outputs[0].error
-
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    """Tiny shapes: intra-op threads only add overhead, and stall badly on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

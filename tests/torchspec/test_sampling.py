@@ -16,16 +16,9 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from torchspec.request import SamplingParams
 from torchspec.sampling import sample_tokens, suppress_stop_tokens, warp_logits
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 VOCAB = 1000
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """The shapes are small: intra-op threads only add overhead (and stall badly on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _hf_warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Benchmarks and comparisons against transformers, run as ``python -m torchspec.bench.<name>``."""
