@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from torchspec.generation_config import infer_attention_mask, resolve_generation
 from torchspec.hf import probe_attention_layers
 from torchspec.models import find_tokenizer
 from torchspec.request import FinishReason, Request
+from torchspec.scheduler import StepPlan
 from torchspec.stats import GenerationStats, RequestStats
 
 
@@ -162,12 +164,14 @@ class SparseSpecForCausalLM(torch.nn.Module):
         requests = self._requests_for(inputs, generation_config, dict(kwargs))
         with tqdm(total=len(requests), unit="req", disable=not progress_bar, desc="generate") as bar:
             bar.update(sum(r.is_finished for r in requests))
+            start = time.perf_counter()
 
-            def on_step(plan: Any, finished: list[Request]) -> None:
+            def on_step(plan: StepPlan, finished: list[Request]) -> None:
+                generated = sum(r.num_output_tokens for r in requests)
+                bar.set_postfix_str(f"{generated} tok, {generated / (time.perf_counter() - start):.1f} tok/s", False)
                 bar.update(len(finished))
 
             self.last_stats = self.engine.run(requests, on_step=on_step)
-            bar.set_postfix_str(f"{self.last_stats.tokens_per_s:.1f} tok/s")
         return [self._output(r) for r in requests]
 
     @torch.inference_mode()
