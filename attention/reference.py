@@ -95,3 +95,41 @@ def paged_attention(
         out[q_start:q_end] = request_out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
         lse[q_start:q_end] = request_lse.permute(2, 0, 1).reshape(q_len, num_heads)
     return out.to(query.dtype), lse
+
+
+def attention_mass(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    num_scored_queries: torch.Tensor,
+) -> torch.Tensor:
+    """Exact attention probability of every list entry, averaged over queries and each GQA group's heads.
+
+    For request ``b`` the last ``num_scored_queries[b]`` query tokens are scored (0 = not scored, its
+    entries stay 0); probabilities are rematerialised from the logits and the ``lse`` the attention pass
+    returned, ``exp(q.k * scale - lse)``, with the same causal mask. Shared lists only (``kv_indices`` of
+    shape ``[N]``). Returns ``[num_kv_heads, N]`` fp32, aligned with ``kv_indices``.
+    """
+    num_kv_heads = k_cache.shape[1]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_heads // num_kv_heads
+    mass = torch.zeros(num_kv_heads, kv_indices.shape[-1], dtype=torch.float32, device=query.device)
+    q_bounds, kv_bounds, scored = cu_seqlens_q.tolist(), kv_indptr.tolist(), num_scored_queries.tolist()
+    for b in range(len(q_bounds) - 1):
+        if scored[b] == 0:
+            continue
+        q_end, kv_start, kv_end = q_bounds[b + 1], kv_bounds[b], kv_bounds[b + 1]
+        q_len, kv_len = q_end - q_bounds[b], kv_end - kv_start
+        count = min(scored[b], q_len)
+        keys = k_cache[kv_indices[kv_start:kv_end]].transpose(0, 1).float()  # [Hkv, L, D]
+        q = query[q_end - count : q_end].float().reshape(count, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        logits = torch.matmul(q, keys.transpose(-1, -2)[:, None]) * scale  # [Hkv, G, count, L]
+        visible = _visible_mask(q_len, kv_len, None, query.device)[q_len - count :]
+        row_lse = lse[q_end - count : q_end].reshape(count, num_kv_heads, group).permute(1, 2, 0)[..., None]
+        probs = torch.exp(logits - row_lse).masked_fill(~visible, 0.0)
+        mass[:, kv_start:kv_end] = probs.mean(dim=(1, 2))
+    return mass

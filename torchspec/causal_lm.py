@@ -224,5 +224,6 @@ class SparseSpecForCausalLM(torch.nn.Module):
                 time_to_first_token_s=None
                 if request.first_token_time is None
                 else request.first_token_time - request.arrival_time,
+                speculation=request.spec_stats,
             ),
         )

@@ -9,7 +9,7 @@ from typing import Any
 #: Draft policies known to the project; ``None`` decodes without speculation.
 DRAFT_POLICIES: tuple[str, ...] = ("pillar", "streaming", "ngram", "quest", "sparsespec_l", "oracle")
 #: Policies this release can run.
-AVAILABLE_DRAFTS: tuple[str | None, ...] = (None,)
+AVAILABLE_DRAFTS: tuple[str | None, ...] = (None, "pillar", "streaming", "ngram")
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ class SpecConfig:
             raise ValueError(f"unknown draft policy {self.draft!r}; choose one of {list(DRAFT_POLICIES)} or None")
         if self.draft not in AVAILABLE_DRAFTS:
             raise ValueError(
-                f"draft={self.draft!r} is not available in this release; use draft=None "
-                "(plain decoding on the paged engine)"
+                f"draft={self.draft!r} is not available in this release; choose one of {list(AVAILABLE_DRAFTS)}"
             )
         _require(_is_int(self.k) and self.k >= 1, f"k must be an integer >= 1, got {self.k!r}")
         _require(

@@ -9,12 +9,13 @@ import torch
 
 import attention
 from torchspec.config import SpecConfig
+from torchspec.drafting import make_policy
 from torchspec.hf import routed_attention
 from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens
 from torchspec.request import FinishReason, Request, SamplingParams
 from torchspec.runner import Runner
 from torchspec.scheduler import Scheduler, StepPlan
-from torchspec.stats import GenerationStats
+from torchspec.stats import GenerationStats, accepted_histogram
 
 StepCallback = Callable[[StepPlan, list[Request]], None]
 
@@ -40,7 +41,9 @@ class Engine:
             layers, self.dtype, self.device, config.max_batch_size * (self.context_length or 32768)
         )
         self.pool = KVPool(layers, capacity, self.dtype, self.device)
-        self.runner = Runner(model, self.pool, layers, attention.reference, self.device, generator)
+        self.policy = make_policy(config, layers)
+        self.runner = Runner(model, self.pool, layers, attention.reference, self.device, self.policy, generator)
+        self.num_draft_slots = config.k if self.policy is not None else 0
         self._run_start = time.perf_counter()
         self._run_steps = 0
 
@@ -63,12 +66,13 @@ class Engine:
             raise ValueError(
                 f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}); check the tokenizer"
             )
-        need = len(prompt_ids) + params.max_new_tokens
+        need = len(prompt_ids) + params.max_new_tokens + self.num_draft_slots
         if need > self.kv_capacity_tokens:
+            drafts = f" + {self.num_draft_slots} draft slots" if self.num_draft_slots else ""
             raise ValueError(
                 f"the request needs up to {need} KV slots (prompt {len(prompt_ids)} + max_new_tokens "
-                f"{params.max_new_tokens}) but the pool holds {self.kv_capacity_tokens}; lower max_new_tokens "
-                "or raise kv_capacity_tokens"
+                f"{params.max_new_tokens}{drafts}) but the pool holds {self.kv_capacity_tokens}; lower "
+                "max_new_tokens or raise kv_capacity_tokens"
             )
 
     def steps(self, requests: Sequence[Request]) -> Iterator[tuple[StepPlan, list[Request]]]:
@@ -79,7 +83,9 @@ class Engine:
         """
         self._run_start = time.perf_counter()
         self._run_steps = 0
-        scheduler = Scheduler(self.pool.allocator, self.config.max_batch_size, self.config.max_step_tokens)
+        scheduler = Scheduler(
+            self.pool.allocator, self.config.max_batch_size, self.config.max_step_tokens, self.policy, self.config.k
+        )
         for request in requests:
             if request.is_finished:
                 continue
@@ -91,6 +97,8 @@ class Engine:
             with routed_attention(self.model):
                 while scheduler.has_work():
                     plan = scheduler.schedule()
+                    if not plan.scheduled:
+                        raise RuntimeError("scheduler made no progress: a waiting request can never be admitted")
                     finished = scheduler.commit(plan, self.runner.run(plan))
                     self._run_steps += 1
                     yield plan, finished
@@ -110,7 +118,12 @@ class Engine:
 
     def stats_for(self, requests: Sequence[Request]) -> GenerationStats:
         """Statistics of the last :meth:`steps` run over ``requests``."""
+        spec = [r.spec_stats for r in requests]
         return GenerationStats(
+            num_rounds=sum(s.num_rounds for s in spec),
+            num_draft_tokens=sum(s.num_draft_tokens for s in spec),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in spec),
+            accepted_histogram=accepted_histogram(spec, self.config.k),
             num_requests=len(requests),
             num_failed=sum(r.finish_reason is FinishReason.ERROR for r in requests),
             prompt_tokens=sum(r.num_prompt_tokens for r in requests),

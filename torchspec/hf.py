@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -36,11 +36,26 @@ class KVView:
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step, read by every layer."""
+    """Built once per step, read by every layer.
+
+    The first ``num_drafts`` requests are draft steps (one query token each): in full-attention layers they
+    read their sparse per-KV-head lists ``draft[layer]``, the other requests read ``full``. Sliding-window
+    layers read ``windowed[window]`` for every request. When ``num_scored_queries`` is set, full-attention
+    layers also record the attention mass of those requests' last queries in ``mass[layer]``.
+    """
 
     slot_mapping: torch.Tensor  # [T]: where each new token's K/V goes
     cu_seqlens_q: torch.Tensor  # [B + 1]
-    views: dict[int | None, KVView]  # keyed by sliding window (None = full attention)
+    windowed: dict[int, KVView]
+    full: KVView  # lists of the requests from num_drafts on
+    num_drafts: int = 0
+    draft: dict[int, KVView] = field(default_factory=dict)  # per full-attention layer: per-KV-head lists
+    num_scored_queries: torch.Tensor | None = None  # [B - num_drafts]; 0 = not scored
+    mass: dict[int, torch.Tensor] = field(default_factory=dict)  # filled by the forward: [Hkv, N of full]
+
+    def __post_init__(self) -> None:
+        self.cu_seqlens_q_full = self.cu_seqlens_q[self.num_drafts :] - self.num_drafts
+        self.cu_seqlens_q_draft = self.cu_seqlens_q[: self.num_drafts + 1]
 
 
 class AttentionContext(Protocol):
@@ -66,23 +81,38 @@ class PagedForwardContext:
     ops: ModuleType
 
     def attend(self, module, query, key, value, attention_mask, scaling, sliding_window, extra_kwargs):
-        layer = module.layer_idx
+        layer, meta, ops = module.layer_idx, self.metadata, self.ops
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        self.ops.store_kv(
-            k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), self.metadata.slot_mapping
+        ops.store_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
+        query = query[0].transpose(0, 1)
+        if sliding_window is not None:
+            view = meta.windowed[sliding_window]
+            return ops.paged_attention(
+                query, k_cache, v_cache, meta.cu_seqlens_q, view.kv_indptr, view.kv_indices, scaling, sliding_window
+            )[0]
+        drafts = meta.num_drafts
+        full_query = query[drafts:]
+        out, lse = ops.paged_attention(
+            full_query, k_cache, v_cache, meta.cu_seqlens_q_full, meta.full.kv_indptr, meta.full.kv_indices, scaling
         )
-        view = self.metadata.views[sliding_window]
-        out, _ = self.ops.paged_attention(
-            query[0].transpose(0, 1),
-            k_cache,
-            v_cache,
-            self.metadata.cu_seqlens_q,
-            view.kv_indptr,
-            view.kv_indices,
-            scaling,
-            sliding_window,
+        if meta.num_scored_queries is not None:
+            meta.mass[layer] = ops.attention_mass(
+                full_query,
+                k_cache,
+                meta.cu_seqlens_q_full,
+                meta.full.kv_indptr,
+                meta.full.kv_indices,
+                lse,
+                scaling,
+                meta.num_scored_queries,
+            )
+        if drafts == 0:
+            return out
+        view = meta.draft[layer]
+        draft_out, _ = ops.paged_attention(
+            query[:drafts], k_cache, v_cache, meta.cu_seqlens_q_draft, view.kv_indptr, view.kv_indices, scaling
         )
-        return out
+        return torch.cat([draft_out, out])
 
 
 _active_context: AttentionContext | None = None

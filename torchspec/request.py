@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +51,28 @@ class SamplingParams:
 
 
 @dataclass
+class DraftRound:
+    """The speculation round a request is in: drafts made so far and what the draft steps attend to."""
+
+    length: int | None = None  # drafts to make this round; None until the round starts
+    tokens: list[int] = field(default_factory=list)
+    probs: list[Any] = field(default_factory=list)  # each draft's warped distribution ([V] tensor), or None (greedy)
+    pattern: Any = None  # the draft policy's state, e.g. PillarAttn's Top-K positions per (layer, KV head)
+    recent_start: int = 0  # first position written since the last verify: every draft step attends to it on
+
+
+@dataclass
+class SpeculationStats:
+    """Per-request counters of speculation (all zero without a draft policy)."""
+
+    num_rounds: int = 0  # verify steps that checked at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0  # accepted drafts; the verify's own (bonus or corrected) token not counted
+    accepted_per_round: list[int] = field(default_factory=list)
+    context_per_round: list[int] = field(default_factory=list)  # context length at each of those verifies
+
+
+@dataclass
 class Request:
     """State of one generation request inside the engine.
 
@@ -68,6 +91,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
+    round: DraftRound = field(default_factory=DraftRound)
+    spec_stats: SpeculationStats = field(default_factory=SpeculationStats)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -95,8 +120,17 @@ class Request:
 
     @property
     def max_total_tokens(self) -> int:
-        """The most KV slots this request can ever hold: the worst case admission reserves."""
+        """The most tokens this request can ever hold (its drafts' slots come on top)."""
         return self.num_prompt_tokens + self.params.max_new_tokens
+
+    @property
+    def decoding(self) -> bool:
+        """Past the prompt: only the newest token lacks K/V, so the next step drafts or verifies."""
+        return self.num_pending_tokens == 1
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_new_tokens - self.num_output_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -1,4 +1,4 @@
-"""The one place that executes: a StepPlan becomes device metadata, one packed forward, and sampled tokens."""
+"""The one place that executes: a StepPlan becomes device metadata, one packed forward, and step results."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from types import ModuleType
 
 import torch
 
+from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 from torchspec.kv_cache import KVPool, LayerSpec
-from torchspec.sampling import sample_tokens, suppress_stop_tokens
-from torchspec.scheduler import StepPlan
+from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
+from torchspec.speculative import accept_greedy, accept_sampled, warped_probs
 
 
 class Runner:
@@ -23,14 +24,20 @@ class Runner:
         layers: Sequence[LayerSpec],
         ops: ModuleType,
         device: torch.device,
+        policy: DraftPolicy | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.ops = ops
         self.device = device
+        self.policy = policy
         self.generator = generator
-        self.windows = sorted({layer.sliding_window for layer in layers}, key=lambda w: (w is not None, w or 0))
+        self.windows = sorted({layer.sliding_window for layer in layers if layer.sliding_window is not None})
+        self.num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
+
+    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def build_metadata(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of the packed batch, built once for all layers."""
@@ -38,50 +45,144 @@ class Runner:
         positions: list[int] = []
         slot_mapping: list[int] = []
         cu_seqlens_q = [0]
-        lists: dict[int | None, tuple[list[int], list[int]]] = {w: ([0], []) for w in self.windows}
+        windowed = {w: ([0], []) for w in self.windows}
+        full: tuple[list[int], list[int]] = ([0], [])
         for item in plan.scheduled:
-            request = item.request
-            start = request.num_computed_tokens
+            request, start = item.request, item.first_position
             end = start + item.num_query_tokens
-            input_ids.extend(request.token_ids[start:end])
+            input_ids.extend(item.query_token_ids())
             positions.extend(range(start, end))
             slot_mapping.extend(request.slots[start:end])
             cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_query_tokens)
-            for window, (indptr, indices) in lists.items():
+            for window, (indptr, indices) in windowed.items():
                 # A sliding-window layer reads only the entries some query of this step can still see.
-                first = 0 if window is None else max(0, start - window + 1)
-                indices.extend(request.slots[first:end])
+                indices.extend(request.slots[max(0, start - window + 1) : end])
                 indptr.append(len(indices))
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
+            if item.phase is not Phase.DRAFT:
+                full[1].extend(request.slots[:end])
+                full[0].append(len(full[1]))
+        num_drafts = plan.num_drafts
+        scored = self._scored_queries(plan.scheduled[num_drafts:])
         metadata = AttentionMetadata(
-            slot_mapping=as_tensor(slot_mapping),
-            cu_seqlens_q=as_tensor(cu_seqlens_q),
-            views={w: KVView(as_tensor(indptr), as_tensor(indices)) for w, (indptr, indices) in lists.items()},
+            slot_mapping=self._tensor(slot_mapping),
+            cu_seqlens_q=self._tensor(cu_seqlens_q),
+            windowed={w: KVView(self._tensor(p), self._tensor(i)) for w, (p, i) in windowed.items()},
+            full=KVView(self._tensor(full[0]), self._tensor(full[1])),
+            num_drafts=num_drafts,
+            draft=self._draft_views(plan.scheduled[:num_drafts]),
+            num_scored_queries=None if not any(scored) else self._tensor(scored),
         )
-        return as_tensor(input_ids)[None], as_tensor(positions)[None], metadata
+        return self._tensor(input_ids)[None], self._tensor(positions)[None], metadata
+
+    def _scored_queries(self, items: Sequence[ScheduledRequest]) -> list[int]:
+        """Trailing queries whose attention mass the policy learns from: all queries of a verify, the last
+        k + 1 of a final prefill chunk."""
+        if self.policy is None or not self.policy.uses_verify_scores:
+            return [0] * len(items)
+        k_plus_1 = self.policy.config.k + 1
+        return [min(item.num_query_tokens, k_plus_1) if item.samples else 0 for item in items]
+
+    def _draft_views(self, items: Sequence[ScheduledRequest]) -> dict[int, KVView]:
+        """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots)."""
+        if not items:
+            return {}
+        per_request = []
+        for item in items:
+            positions = self.policy.draft_positions(item.request, item.first_position)
+            per_request.append(torch.tensor(item.request.slots)[positions])
+        views = {}
+        for i, layer in enumerate(self.policy.sparse_layers):
+            heads = self.num_kv_heads[layer]
+            lists = [s.expand(heads, -1) if s.dim() == 1 else s[i] for s in per_request]
+            indptr = [0]
+            for slots in lists:
+                indptr.append(indptr[-1] + slots.shape[-1])
+            views[layer] = KVView(self._tensor(indptr), torch.cat(lists, dim=-1).to(self.device))
+        return views
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> list[int | None]:
-        """Execute one step; returns the sampled token of each scheduled request (None if it did not sample)."""
+    def run(self, plan: StepPlan) -> list[StepResult]:
+        """Execute one step: the forward, the policy's learning from verify attention, token selection."""
         input_ids, position_ids, metadata = self.build_metadata(plan)
-        sampling = [i for i, item in enumerate(plan.scheduled) if item.samples]
-        if not sampling:
-            logits_rows = torch.zeros(0, dtype=torch.int64, device=self.device)
-        else:
-            logits_rows = metadata.cu_seqlens_q[1:][torch.tensor(sampling, device=self.device)] - 1
+        rows, first_row = [], []
+        for i, item in enumerate(plan.scheduled):
+            first_row.append(len(rows))
+            if item.samples:
+                end = metadata.cu_seqlens_q[i + 1].item()
+                count = item.num_query_tokens if item.phase is Phase.VERIFY else 1
+                rows.extend(range(end - count, end))
         context = PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)
         with forward_context(context):
             output = self.model(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_rows
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=self._tensor(rows)
             )
-        sampled: list[int | None] = [None] * len(plan.scheduled)
-        if not sampling:
-            return sampled
-        logits = output.logits[0].float()
-        requests = [plan.scheduled[i].request for i in sampling]
-        below_minimum = [row for row, r in enumerate(requests) if r.num_output_tokens < r.params.min_new_tokens]
-        suppress_stop_tokens(logits, below_minimum, [requests[row].params.stop_token_ids for row in below_minimum])
-        tokens = sample_tokens(logits, [r.params for r in requests], self.generator).tolist()
-        for i, token in zip(sampling, tokens, strict=True):
-            sampled[i] = token
-        return sampled
+        self._learn_from_verify(plan, metadata)
+        return self._select(plan, output.logits[0].float(), first_row)
+
+    def _learn_from_verify(self, plan: StepPlan, metadata: AttentionMetadata) -> None:
+        if self.policy is None:
+            return
+        full_items = plan.scheduled[metadata.num_drafts :]
+        indptr = metadata.full.kv_indptr.tolist()
+        scored = [0] * len(full_items) if metadata.num_scored_queries is None else metadata.num_scored_queries
+        for j, item in enumerate(full_items):
+            if not item.samples:
+                continue
+            first_query = item.first_position + item.num_query_tokens - (int(scored[j]) or item.num_query_tokens)
+            mass = None
+            if int(scored[j]):
+                mass = [metadata.mass[layer][:, indptr[j] : indptr[j + 1]].cpu() for layer in self.policy.sparse_layers]
+            self.policy.on_verify(item.request, mass, first_query)
+
+    def _select(self, plan: StepPlan, logits: torch.Tensor, first_row: list[int]) -> list[StepResult]:
+        """Tokens from the logits rows of each request: draft samples, verified tokens (see speculative.py)."""
+        row_params, row_output_index = [], []
+        for item in plan.scheduled:
+            if not item.samples:
+                continue
+            request = item.request
+            count = item.num_query_tokens if item.phase is Phase.VERIFY else 1
+            base = request.num_output_tokens + (len(request.round.tokens) if item.phase is Phase.DRAFT else 0)
+            row_params.extend([request.params] * count)
+            row_output_index.extend(range(base, base + count))
+        for row, (params, index) in enumerate(zip(row_params, row_output_index, strict=True)):
+            if index < params.min_new_tokens and params.stop_token_ids:
+                logits[row, list(params.stop_token_ids)] = float("-inf")
+        sampled_rows = [row for row, params in enumerate(row_params) if not params.greedy]
+        probs = {}
+        if sampled_rows:
+            warped = warped_probs(logits[sampled_rows], [row_params[row] for row in sampled_rows])
+            probs = dict(zip(sampled_rows, warped, strict=True))
+        argmax = logits.argmax(dim=-1).tolist()
+        results = []
+        for item, row in zip(plan.scheduled, first_row, strict=True):
+            if not item.samples:
+                results.append(StepResult())
+            elif item.phase is Phase.DRAFT:
+                results.append(self._draft_result(row, argmax, probs))
+            else:
+                results.append(self._verify_result(item, row, argmax, probs))
+        return results
+
+    def _draft_result(self, row: int, argmax: list[int], probs: dict[int, torch.Tensor]) -> StepResult:
+        if row not in probs:
+            return StepResult(draft_token=argmax[row])
+        token = int(torch.multinomial(probs[row], 1, generator=self.generator))
+        return StepResult(draft_token=token, draft_probs=probs[row])
+
+    def _verify_result(
+        self, item: ScheduledRequest, row: int, argmax: list[int], probs: dict[int, torch.Tensor]
+    ) -> StepResult:
+        drafts = item.request.round.tokens if item.phase is Phase.VERIFY else []
+        count = len(drafts) + 1
+        if row not in probs:
+            accepted, tokens = accept_greedy(argmax[row : row + count], drafts)
+        else:
+            target = torch.stack([probs[r] for r in range(row, row + count)])
+            draft_probs = item.request.round.probs
+            if drafts and draft_probs[0] is None:  # proposed tokens: a point mass on each proposal
+                draft_probs = [
+                    torch.nn.functional.one_hot(torch.tensor(t), target.shape[-1]).to(target) for t in drafts
+                ]
+            accepted, tokens = accept_sampled(target, drafts, draft_probs, self.generator)
+        return StepResult(tokens=tokens, num_accepted=accepted)

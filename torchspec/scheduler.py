@@ -1,48 +1,96 @@
-"""The one place that decides: which requests run in a step, with how many query tokens, and what follows.
+"""The one place that decides: which requests run in a step, in which phase, and what their results mean.
 
-Admission reserves a request's worst-case KV need (prompt + max_new_tokens), so a running request never
-runs out of slots and nothing is ever evicted or recomputed: requests that do not fit wait for slots.
+Phases: a request prefills its prompt in chunks, then repeats rounds of up to k *draft* steps (one token,
+sparse attention, or tokens proposed outright) and one *verify* step (the newest accepted token plus the
+drafts, full attention). A round without drafts is a plain decode step, so ``draft=None`` is the same loop.
+
+Admission reserves a request's worst-case KV need (prompt + max_new_tokens + k draft slots), so a running
+request never runs out of slots and nothing is evicted or recomputed: requests that do not fit wait.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
+
+from torchspec.drafting import DraftPolicy
 from torchspec.kv_cache import SlotAllocator
-from torchspec.request import FinishReason, Request, RequestStatus
+from torchspec.request import DraftRound, FinishReason, Request, RequestStatus
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"  # a chunk of the prompt; samples when it reaches the prompt's end
+    DRAFT = "draft"  # one token with sparse attention; samples a draft token
+    VERIFY = "verify"  # newest token + drafts with full attention; accepts drafts, adds one token
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_query_tokens: int  # tokens fed this step, from request.num_computed_tokens on
+    phase: Phase
+    num_query_tokens: int
+
+    @property
+    def first_position(self) -> int:
+        """Position of the first query token (drafts sit after the newest accepted token)."""
+        return self.request.num_computed_tokens + (len(self.request.round.tokens) if self.phase is Phase.DRAFT else 0)
 
     @property
     def samples(self) -> bool:
-        """Whether this step's last query token is the request's newest token, so a token is sampled."""
+        """Whether the step produces tokens for this request (all but a prefill chunk short of the end)."""
+        if self.phase is not Phase.PREFILL:
+            return True
         return self.request.num_computed_tokens + self.num_query_tokens == len(self.request.token_ids)
+
+    def query_token_ids(self) -> list[int]:
+        request = self.request
+        if self.phase is Phase.PREFILL:
+            start = request.num_computed_tokens
+            return request.token_ids[start : start + self.num_query_tokens]
+        fed = [request.token_ids[-1], *request.round.tokens]
+        return fed[-1:] if self.phase is Phase.DRAFT else fed
 
 
 @dataclass
 class StepPlan:
-    """Plain host data describing one forward step."""
+    """Plain host data describing one forward step; draft steps come first."""
 
     scheduled: list[ScheduledRequest]
 
     @property
+    def num_drafts(self) -> int:
+        return sum(item.phase is Phase.DRAFT for item in self.scheduled)
+
+    @property
     def num_tokens(self) -> int:
-        return sum(s.num_query_tokens for s in self.scheduled)
+        return sum(item.num_query_tokens for item in self.scheduled)
+
+
+@dataclass
+class StepResult:
+    """What the runner produced for one scheduled request."""
+
+    tokens: list[int] = field(default_factory=list)  # verify/prefill: accepted drafts + one new token
+    num_accepted: int = 0  # drafts accepted (verify)
+    draft_token: int | None = None  # draft step: the drafted token
+    draft_probs: torch.Tensor | None = None  # draft step: its warped distribution (sampling only)
 
 
 class Scheduler:
-    """FIFO admission under a batch-size and KV reservation limit, chunked prefill, one-token decode."""
+    """FIFO admission under batch-size and KV limits, chunked prefill, speculation rounds."""
 
-    def __init__(self, allocator: SlotAllocator, max_batch_size: int, max_step_tokens: int) -> None:
+    def __init__(
+        self, allocator: SlotAllocator, max_batch_size: int, max_step_tokens: int, policy: DraftPolicy | None, k: int
+    ) -> None:
         self.allocator = allocator
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens
+        self.policy = policy
+        self.k = k if policy is not None else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._reserved_slots = 0
@@ -54,52 +102,110 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reservation(self, request: Request) -> int:
+        return request.max_total_tokens + self.k
+
     def schedule(self) -> StepPlan:
-        """Decodes first (one token each), then prefill chunks of running and newly admitted requests."""
+        """Draft and verify steps first (one per decoding request), then prefill chunks within the budget."""
         self._admit()
         budget = self.max_step_tokens
         scheduled: list[ScheduledRequest] = []
-        # Decoding requests need one token each; chunked prefills share what is left of the budget.
-        for request in sorted(self.running, key=lambda r: r.num_pending_tokens > 1):
-            if budget == 0:
+        for request in sorted(self.running, key=lambda r: not r.decoding):
+            item = self._next_step(request) if request.decoding else None
+            if item is None:
+                if budget == 0:
+                    break
+                item = ScheduledRequest(request, Phase.PREFILL, min(request.num_pending_tokens, budget))
+            elif item.num_query_tokens > budget and scheduled:
                 break
-            count = min(request.num_pending_tokens, budget)
-            request.slots.extend(self.allocator.allocate(count))
-            scheduled.append(ScheduledRequest(request, count))
-            budget -= count
+            budget = max(0, budget - item.num_query_tokens)
+            last_position = item.first_position + item.num_query_tokens - 1
+            request.slots.extend(self.allocator.allocate(max(0, last_position + 1 - len(request.slots))))
+            scheduled.append(item)
+        scheduled.sort(key=lambda item: item.phase is not Phase.DRAFT)
         return StepPlan(scheduled)
+
+    def _next_step(self, request: Request) -> ScheduledRequest:
+        current = request.round
+        if current.length is None:
+            self._start_round(request)
+        if len(current.tokens) < current.length:
+            return ScheduledRequest(request, Phase.DRAFT, 1)
+        return ScheduledRequest(request, Phase.VERIFY, 1 + len(current.tokens))
+
+    def _start_round(self, request: Request) -> None:
+        """Choose this round's drafts: at most k, and never more than the tokens still allowed."""
+        current = request.round
+        length = min(self.k, request.remaining_tokens - 1)
+        if self.policy is None or length <= 0 or not self.policy.ready(request):
+            current.length = 0
+        elif self.policy.proposes_tokens:
+            current.tokens = self.policy.propose(request, length)
+            current.length = len(current.tokens)
+        else:
+            current.length = length
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
-            if self._reserved_slots + request.max_total_tokens > self.allocator.num_slots:
+            if self._reserved_slots + self.reservation(request) > self.allocator.num_slots:
                 break
             self.waiting.popleft()
-            self._reserved_slots += request.max_total_tokens
+            self._reserved_slots += self.reservation(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
-    def commit(self, plan: StepPlan, sampled_tokens: list[int | None]) -> list[Request]:
-        """Record this step's computed K/V and sampled tokens; finish and release requests that are done.
-
-        Returns the requests that finished in this step.
-        """
+    def commit(self, plan: StepPlan, results: list[StepResult]) -> list[Request]:
+        """Apply each step's results: drafts recorded, verified tokens accepted, rejected drafts' slots freed,
+        finished requests released. Returns the requests that finished in this step."""
         finished = []
-        for item, token in zip(plan.scheduled, sampled_tokens, strict=True):
+        for item, result in zip(plan.scheduled, results, strict=True):
             request = item.request
-            request.num_computed_tokens += item.num_query_tokens
-            if token is None:
+            if item.phase is Phase.DRAFT:
+                request.round.tokens.append(result.draft_token)
+                request.round.probs.append(result.draft_probs)
                 continue
+            if item.phase is Phase.PREFILL:
+                samples = item.samples  # (before the prefilled tokens count as computed)
+                request.num_computed_tokens += item.num_query_tokens
+                if not samples:
+                    continue
+            else:
+                self._record_round(request, item, result)
+                # The newest token and the accepted drafts keep their (exact, verified) K/V.
+                request.num_computed_tokens += 1 + result.num_accepted
+                self.allocator.free(request.slots[request.num_computed_tokens :])
+                del request.slots[request.num_computed_tokens :]
+            request.round = DraftRound(pattern=request.round.pattern, recent_start=request.round.recent_start)
+            if self._append(request, result.tokens):
+                finished.append(request)
+        return finished
+
+    def _record_round(self, request: Request, item: ScheduledRequest, result: StepResult) -> None:
+        drafted = item.num_query_tokens - 1
+        if drafted == 0:
+            return
+        stats = request.spec_stats
+        stats.num_rounds += 1
+        stats.num_draft_tokens += drafted
+        stats.num_accepted_tokens += result.num_accepted
+        stats.accepted_per_round.append(result.num_accepted)
+        stats.context_per_round.append(item.first_position)
+
+    def _append(self, request: Request, tokens: list[int]) -> bool:
+        """Append accepted tokens one by one, stopping at a stop token or the length limit."""
+        for token in tokens:
             request.token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
-            if token in request.params.stop_token_ids and request.num_output_tokens >= request.params.min_new_tokens:
+            params = request.params
+            if token in params.stop_token_ids and request.num_output_tokens >= params.min_new_tokens:
                 self.finish(request, FinishReason.STOP)
-                finished.append(request)
-            elif request.num_output_tokens >= request.params.max_new_tokens:
+                return True
+            if request.num_output_tokens >= params.max_new_tokens:
                 self.finish(request, FinishReason.LENGTH)
-                finished.append(request)
-        return finished
+                return True
+        return False
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a running request at once and give its slots and reservation back."""
@@ -107,4 +213,4 @@ class Scheduler:
         self.running.remove(request)
         self.allocator.free(request.slots)
         request.slots = []
-        self._reserved_slots -= request.max_total_tokens
+        self._reserved_slots -= self.reservation(request)

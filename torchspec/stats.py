@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torchspec.request import SpeculationStats
 
 
 @dataclass(frozen=True)
@@ -11,6 +14,12 @@ class RequestStats:
     generated_tokens: int
     latency_s: float  # arrival to finish
     time_to_first_token_s: float | None
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted draft tokens per verify round (the verify's own token not counted, as in the paper)."""
+        return self.speculation.num_accepted_tokens / max(1, self.speculation.num_rounds)
 
 
 @dataclass(frozen=True)
@@ -23,6 +32,15 @@ class GenerationStats:
     generated_tokens: int = 0
     wall_time_s: float = 0.0
     steps: int = 0
+    num_rounds: int = 0  # verify steps that checked drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0  # accepted drafts, bonus/corrected tokens not counted
+    accepted_histogram: tuple[int, ...] = ()  # rounds that accepted 0, 1, ..., k drafts
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted draft tokens per verify round (bonus token not counted, as in the paper)."""
+        return self.num_accepted_tokens / self.num_rounds if self.num_rounds else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -34,4 +52,18 @@ class GenerationStats:
         return (
             f"{self.num_requests} requests{failed}: {self.prompt_tokens} prompt + {self.generated_tokens} generated "
             f"tokens in {self.wall_time_s:.2f} s ({self.steps} steps), {self.tokens_per_s:.1f} tok/s"
+            + (
+                f", mean accepted {self.mean_accepted:.2f} of {self.num_draft_tokens / self.num_rounds:.2f} drafted"
+                if self.num_rounds
+                else ""
+            )
         )
+
+
+def accepted_histogram(stats: Sequence[SpeculationStats], k: int) -> tuple[int, ...]:
+    """How many rounds accepted 0, 1, ..., k drafts, over all requests."""
+    counts = [0] * (k + 1)
+    for request_stats in stats:
+        for accepted in request_stats.accepted_per_round:
+            counts[accepted] += 1
+    return tuple(counts)

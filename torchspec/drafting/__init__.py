@@ -1,0 +1,22 @@
+"""Draft policies by name; ``draft=`` in SpecConfig picks one. Adding a policy touches only this package."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torchspec.config import SpecConfig
+from torchspec.drafting.base import DraftPolicy
+from torchspec.drafting.ngram import NgramPolicy
+from torchspec.drafting.pillar import PillarPolicy
+from torchspec.drafting.streaming import StreamingPolicy
+from torchspec.kv_cache import LayerSpec
+
+POLICIES: dict[str, type[DraftPolicy]] = {cls.name: cls for cls in (PillarPolicy, StreamingPolicy, NgramPolicy)}
+
+
+def make_policy(config: SpecConfig, layers: Sequence[LayerSpec]) -> DraftPolicy | None:
+    """The policy ``config.draft`` names, or None for plain decoding."""
+    return None if config.draft is None else POLICIES[config.draft](config, layers)
+
+
+__all__ = ["POLICIES", "DraftPolicy", "make_policy"]

@@ -1,0 +1,58 @@
+"""The draft-policy interface: what a sparse draft step attends to, or which tokens are proposed outright.
+
+A policy is a small class registered by name; the engine asks it four things and knows nothing else:
+whether a request can draft yet, the tokens it proposes without a forward (token proposers), the KV
+positions a draft step attends to (sparse self-drafts), and what to remember from a verify step's exact
+attention (policies that learn from it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from torchspec.config import SpecConfig
+from torchspec.kv_cache import LayerSpec
+from torchspec.request import Request
+
+
+class DraftPolicy:
+    """Base class; subclasses override what they need."""
+
+    name: ClassVar[str]
+    #: Drafts come from ``propose`` (no draft forward steps), e.g. n-gram lookup.
+    proposes_tokens: ClassVar[bool] = False
+    #: ``on_verify`` needs the verify step's attention mass per (full-attention layer, KV head, position).
+    uses_verify_scores: ClassVar[bool] = False
+
+    def __init__(self, config: SpecConfig, layers: Sequence[LayerSpec]) -> None:
+        self.config = config
+        #: Layers whose draft steps attend sparsely: the full-attention ones (sliding windows stay as they are).
+        self.sparse_layers = [layer.layer_idx for layer in layers if layer.sliding_window is None]
+        self.num_kv_heads = max((layer.num_kv_heads for layer in layers), default=1)
+
+    def budget(self, context_length: int) -> int:
+        """KV tokens a draft step may attend to: ``max(min_budget, ceil(sparsity * context))``."""
+        return max(self.config.min_budget, math.ceil(self.config.sparsity * context_length))
+
+    def ready(self, request: Request) -> bool:
+        """Whether the request can start a round with drafts (e.g. PillarAttn needs one verify's scores)."""
+        return True
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Token proposers: up to ``max_tokens`` draft tokens to verify next."""
+        raise NotImplementedError
+
+    def draft_positions(self, request: Request, position: int) -> torch.Tensor:
+        """Positions the draft step at ``position`` attends to, ending with ``position`` itself: ``[n]`` shared by
+        all sparse layers and KV heads, or ``[len(sparse_layers), num_kv_heads, n]``."""
+        raise NotImplementedError
+
+    def on_verify(self, request: Request, mass: Sequence[torch.Tensor] | None, first_query_position: int) -> None:
+        """Called after a step that ends with full attention over the request's newest tokens (a verify, or the
+        last prefill chunk) and before its tokens are accepted. ``mass[i]`` is ``[num_kv_heads, context]``: the
+        exact attention mass per position of sparse layer ``i`` (only when ``uses_verify_scores``)."""
+        request.round.recent_start = first_query_position

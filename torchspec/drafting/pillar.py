@@ -1,0 +1,39 @@
+"""PillarAttn: draft steps attend to the tokens the previous verify found most attended, per layer and head."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torchspec.drafting.base import DraftPolicy
+from torchspec.request import Request
+
+
+class PillarPolicy(DraftPolicy):
+    """Top-K over the verify step's exact attention mass (averaged over its queries and each GQA group's query
+    heads), per (layer, KV head); the tokens written since that verify are always included on top."""
+
+    name = "pillar"
+    uses_verify_scores = True
+
+    def ready(self, request: Request) -> bool:
+        return request.round.pattern is not None
+
+    def on_verify(self, request: Request, mass: Sequence[torch.Tensor] | None, first_query_position: int) -> None:
+        super().on_verify(request, mass, first_query_position)
+        older = first_query_position  # positions before the verify's queries compete for the budget
+        context = mass[0].shape[-1] if mass else older
+        num_selected = min(older, max(0, self.budget(context) - (context - older)))
+        if num_selected == older:
+            request.round.pattern = torch.arange(older)
+            return
+        scores = torch.stack([layer_mass[:, :older] for layer_mass in mass])  # [layers, Hkv, older]
+        request.round.pattern = scores.topk(num_selected, dim=-1).indices.sort(dim=-1).values
+
+    def draft_positions(self, request: Request, position: int) -> torch.Tensor:
+        pattern = request.round.pattern
+        recent = torch.arange(request.round.recent_start, position + 1)
+        if pattern.dim() == 1:
+            return torch.cat([pattern, recent])
+        return torch.cat([pattern, recent.expand(*pattern.shape[:2], -1)], dim=-1)

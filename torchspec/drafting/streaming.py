@@ -1,0 +1,24 @@
+"""Streaming (MagicDec-style): attention sinks plus the most recent tokens, at the same budget."""
+
+from __future__ import annotations
+
+import torch
+
+from torchspec.drafting.base import DraftPolicy
+from torchspec.request import Request
+
+NUM_SINKS = 4
+
+
+class StreamingPolicy(DraftPolicy):
+    """The first ``NUM_SINKS`` tokens and a window of the latest ones; the same for every layer and head."""
+
+    name = "streaming"
+
+    def draft_positions(self, request: Request, position: int) -> torch.Tensor:
+        context = position + 1
+        budget = self.budget(context)
+        if budget >= context:
+            return torch.arange(context)
+        sinks = min(NUM_SINKS, budget)
+        return torch.cat([torch.arange(sinks), torch.arange(context - (budget - sinks), context)])
