@@ -9,7 +9,7 @@ from typing import Any
 #: Draft policies known to the project; ``None`` decodes without speculation.
 DRAFT_POLICIES: tuple[str, ...] = ("pillar", "streaming", "ngram", "quest", "sparsespec_l", "oracle")
 #: Policies this release can run.
-AVAILABLE_DRAFTS: tuple[str | None, ...] = (None, "pillar", "streaming", "ngram")
+AVAILABLE_DRAFTS: tuple[str | None, ...] = (None, "pillar", "streaming", "ngram", "quest", "oracle")
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,9 @@ class SpecConfig:
         k: draft tokens per speculation round.
         sparsity: fraction of a request's KV cache a sparse draft step attends to.
         min_budget: lower bound on the number of KV tokens a sparse draft step attends to.
+        num_sinks: first tokens (attention sinks) that streaming-style drafts always attend to.
+        recent_window: latest tokens before the verify that PillarAttn drafts always attend to, on top of
+            the tokens written since (0 = the paper's selection: Top-K decides everything older).
         max_batch_size: most requests decoded together.
         kv_capacity_tokens: KV slots in the pool; ``None`` sizes the pool from free device memory.
         max_step_tokens: most query tokens in one forward step (bounds prefill chunks).
@@ -35,6 +38,8 @@ class SpecConfig:
     k: int = 8
     sparsity: float = 0.05
     min_budget: int = 128
+    num_sinks: int = 4
+    recent_window: int = 0
     max_batch_size: int = 256
     kv_capacity_tokens: int | None = None
     max_step_tokens: int = 2048
@@ -60,6 +65,9 @@ class SpecConfig:
             _is_int(self.min_budget) and self.min_budget >= 1,
             f"min_budget must be an integer >= 1, got {self.min_budget!r}",
         )
+        for name in ("num_sinks", "recent_window"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 0, f"{name} must be an integer >= 0, got {value!r}")
         _require(
             _is_int(self.max_batch_size) and self.max_batch_size >= 1,
             f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}",

@@ -9,7 +9,7 @@ Because the registered name has no mask function, transformers builds no attenti
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
@@ -50,6 +50,8 @@ class AttentionMetadata:
     full: KVView  # lists of the requests from num_drafts on
     num_drafts: int = 0
     draft: dict[int, KVView] = field(default_factory=dict)  # per full-attention layer: per-KV-head lists
+    # Query-aware drafts pick their lists inside attention: (layer, draft queries, K cache, scale) -> lists.
+    draft_select: Callable[[int, torch.Tensor, torch.Tensor, float], KVView] | None = None
     num_scored_queries: torch.Tensor | None = None  # [B - num_drafts]; 0 = not scored
     mass: dict[int, torch.Tensor] = field(default_factory=dict)  # filled by the forward: [Hkv, N of full]
 
@@ -108,7 +110,11 @@ class PagedForwardContext:
             )
         if drafts == 0:
             return out
-        view = meta.draft[layer]
+        view = (
+            meta.draft[layer]
+            if meta.draft_select is None
+            else meta.draft_select(layer, query[:drafts], k_cache, scaling)
+        )
         draft_out, _ = ops.paged_attention(
             query[:drafts], k_cache, v_cache, meta.cu_seqlens_q_draft, view.kv_indptr, view.kv_indices, scaling
         )

@@ -70,6 +70,7 @@ class Runner:
             full=KVView(self._tensor(full[0]), self._tensor(full[1])),
             num_drafts=num_drafts,
             draft=self._draft_views(plan.scheduled[:num_drafts]),
+            draft_select=self._draft_selector(plan.scheduled[:num_drafts]),
             num_scored_queries=None if not any(scored) else self._tensor(scored),
         )
         return self._tensor(input_ids)[None], self._tensor(positions)[None], metadata
@@ -84,21 +85,42 @@ class Runner:
 
     def _draft_views(self, items: Sequence[ScheduledRequest]) -> dict[int, KVView]:
         """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots)."""
-        if not items:
+        if not items or self.policy.selects_in_attention:
             return {}
-        per_request = []
-        for item in items:
-            positions = self.policy.draft_positions(item.request, item.first_position)
-            per_request.append(torch.tensor(item.request.slots)[positions])
+        per_request = [self.policy.draft_positions(item.request, item.first_position) for item in items]
         views = {}
         for i, layer in enumerate(self.policy.sparse_layers):
             heads = self.num_kv_heads[layer]
-            lists = [s.expand(heads, -1) if s.dim() == 1 else s[i] for s in per_request]
-            indptr = [0]
-            for slots in lists:
-                indptr.append(indptr[-1] + slots.shape[-1])
-            views[layer] = KVView(self._tensor(indptr), torch.cat(lists, dim=-1).to(self.device))
+            positions = [p.expand(heads, -1) if p.dim() == 1 else p[i] for p in per_request]
+            views[layer] = self._per_head_view(items, positions)
         return views
+
+    def _per_head_view(self, items: Sequence[ScheduledRequest], positions: Sequence[torch.Tensor]) -> KVView:
+        """Per-KV-head slot lists from per-head positions (``[Hkv, n]`` each; -1 stays padding)."""
+        lists, indptr = [], [0]
+        for item, chosen in zip(items, positions, strict=True):
+            slots = torch.tensor(item.request.slots[: item.first_position + 1], device=chosen.device)
+            lists.append(torch.where(chosen >= 0, slots[chosen.clamp(min=0)], -1))
+            indptr.append(indptr[-1] + chosen.shape[-1])
+        return KVView(self._tensor(indptr), torch.cat(lists, dim=-1).to(self.device))
+
+    def _draft_selector(self, items: Sequence[ScheduledRequest]):
+        """For query-aware policies: pick each draft request's lists from the layer's own draft queries."""
+        if not items or not self.policy.selects_in_attention:
+            return None
+
+        def select(layer: int, queries: torch.Tensor, k_cache: torch.Tensor, scale: float) -> KVView:
+            positions = []
+            for item, query in zip(items, queries, strict=True):
+                slots = self._tensor(item.request.slots[: item.first_position + 1])
+                positions.append(
+                    self.policy.select_positions(item.request, item.first_position, query, k_cache[slots], scale).to(
+                        self.device
+                    )
+                )
+            return self._per_head_view(items, positions)
+
+        return select
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> list[StepResult]:

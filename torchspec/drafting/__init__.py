@@ -7,11 +7,15 @@ from collections.abc import Sequence
 from torchspec.config import SpecConfig
 from torchspec.drafting.base import DraftPolicy
 from torchspec.drafting.ngram import NgramPolicy
+from torchspec.drafting.oracle import OraclePolicy
 from torchspec.drafting.pillar import PillarPolicy
+from torchspec.drafting.quest import QuestPolicy
 from torchspec.drafting.streaming import StreamingPolicy
 from torchspec.kv_cache import LayerSpec
 
-POLICIES: dict[str, type[DraftPolicy]] = {cls.name: cls for cls in (PillarPolicy, StreamingPolicy, NgramPolicy)}
+POLICIES: dict[str, type[DraftPolicy]] = {
+    cls.name: cls for cls in (PillarPolicy, StreamingPolicy, NgramPolicy, QuestPolicy, OraclePolicy)
+}
 
 
 def make_policy(config: SpecConfig, layers: Sequence[LayerSpec]) -> DraftPolicy | None:

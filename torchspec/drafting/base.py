@@ -27,6 +27,8 @@ class DraftPolicy:
     proposes_tokens: ClassVar[bool] = False
     #: ``on_verify`` needs the verify step's attention mass per (full-attention layer, KV head, position).
     uses_verify_scores: ClassVar[bool] = False
+    #: Draft steps choose their positions inside attention, from the layer's own query (``select_positions``).
+    selects_in_attention: ClassVar[bool] = False
 
     def __init__(self, config: SpecConfig, layers: Sequence[LayerSpec]) -> None:
         self.config = config
@@ -50,6 +52,25 @@ class DraftPolicy:
         """Positions the draft step at ``position`` attends to, ending with ``position`` itself: ``[n]`` shared by
         all sparse layers and KV heads, or ``[len(sparse_layers), num_kv_heads, n]``."""
         raise NotImplementedError
+
+    def select_positions(
+        self, request: Request, position: int, query: torch.Tensor, keys: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Query-aware policies: positions (``[num_kv_heads, n]``, ending with the recent ones) that the draft
+        query ``[num_heads, head_dim]`` at ``position`` attends to, given the layer's keys of every position
+        ``[position + 1, num_kv_heads, head_dim]``."""
+        raise NotImplementedError
+
+    def num_older(self, request: Request, position: int) -> tuple[int, int]:
+        """(older positions, how many of them fit the budget): positions before ``recent_start`` compete,
+        the ones from it on (written since the last verify) are always attended to."""
+        older = request.round.recent_start
+        return older, min(older, max(0, self.budget(position + 1) - (position + 1 - older)))
+
+    def with_recent(self, request: Request, position: int, selected: torch.Tensor) -> torch.Tensor:
+        """``selected`` older positions (``[Hkv, n]``), sorted, followed by every position since the verify."""
+        recent = torch.arange(request.round.recent_start, position + 1, device=selected.device)
+        return torch.cat([selected.sort(dim=-1).values, recent.expand(selected.shape[0], -1)], dim=-1)
 
     def on_verify(self, request: Request, mass: Sequence[torch.Tensor] | None, first_query_position: int) -> None:
         """Called after a step that ends with full attention over the request's newest tokens (a verify, or the

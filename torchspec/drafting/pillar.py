@@ -12,7 +12,8 @@ from torchspec.request import Request
 
 class PillarPolicy(DraftPolicy):
     """Top-K over the verify step's exact attention mass (averaged over its queries and each GQA group's query
-    heads), per (layer, KV head); the tokens written since that verify are always included on top."""
+    heads), per (layer, KV head); the tokens written since that verify, and the ``recent_window`` tokens
+    before it, are always included on top."""
 
     name = "pillar"
     uses_verify_scores = True
@@ -21,9 +22,10 @@ class PillarPolicy(DraftPolicy):
         return request.round.pattern is not None
 
     def on_verify(self, request: Request, mass: Sequence[torch.Tensor] | None, first_query_position: int) -> None:
-        super().on_verify(request, mass, first_query_position)
-        older = first_query_position  # positions before the verify's queries compete for the budget
-        context = mass[0].shape[-1] if mass else older
+        # Positions before the verify's queries and the recent window compete for the rest of the budget.
+        older = max(0, first_query_position - self.config.recent_window)
+        super().on_verify(request, mass, older)
+        context = mass[0].shape[-1] if mass else first_query_position
         num_selected = min(older, max(0, self.budget(context) - (context - older)))
         if num_selected == older:
             request.round.pattern = torch.arange(older)

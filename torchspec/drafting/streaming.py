@@ -7,11 +7,9 @@ import torch
 from torchspec.drafting.base import DraftPolicy
 from torchspec.request import Request
 
-NUM_SINKS = 4
-
 
 class StreamingPolicy(DraftPolicy):
-    """The first ``NUM_SINKS`` tokens and a window of the latest ones; the same for every layer and head."""
+    """The first ``num_sinks`` tokens and a window of the latest ones; the same for every layer and head."""
 
     name = "streaming"
 
@@ -20,5 +18,5 @@ class StreamingPolicy(DraftPolicy):
         budget = self.budget(context)
         if budget >= context:
             return torch.arange(context)
-        sinks = min(NUM_SINKS, budget)
+        sinks = min(self.config.num_sinks, budget)
         return torch.cat([torch.arange(sinks), torch.arange(context - (budget - sinks), context)])

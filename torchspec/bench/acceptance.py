@@ -1,0 +1,175 @@
+"""Measure draft acceptance of every draft policy on the same engine, prompts and budget.
+
+``python -m torchspec.bench.acceptance --prompts 4 --max-new-tokens 1536 --out docs/acceptance.md``
+runs greedy generation per policy (k=8, sparsity=0.05, min_budget=128 by default), checks each output
+equals plain decoding token for token, and writes a table of mean accepted drafts per round (bonus token
+not counted), overall and by context length, plus a plot of acceptance against context length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from torchspec import sparsespec
+from torchspec.config import AVAILABLE_DRAFTS
+from torchspec.models import load_model
+from torchspec.workloads import chat_token_ids, read_prompts
+
+#: Context-length buckets of the table: [low, high).
+BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, None))
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    options: dict
+
+
+def default_variants() -> list[Variant]:
+    """Every available policy at the paper's settings, and PillarAttn with a 64-token recent window."""
+    variants = [Variant(str(name), {"draft": name}) for name in AVAILABLE_DRAFTS if name is not None]
+    variants.append(Variant("pillar + recent 64", {"draft": "pillar", "recent_window": 64}))
+    return variants
+
+
+def bucket_label(low: int, high: int | None) -> str:
+    return f">={low}" if high is None else (f"<{high}" if low == 0 else f"{low}-{high - 1}")
+
+
+def measure(model, prompts: list[list[int]], max_new_tokens: int, baseline: list, variant: Variant, **spec) -> dict:
+    """Generate with one variant; return its per-round (context, accepted) pairs and a lossless check."""
+    wrapped = sparsespec.wrap(model, **spec, **variant.options)
+    start = time.perf_counter()
+    outputs = wrapped.generate_batch(prompts, max_new_tokens=max_new_tokens, do_sample=False, progress_bar=True)
+    elapsed = time.perf_counter() - start
+    rounds = [
+        (context, accepted)
+        for output in outputs
+        for context, accepted in zip(
+            output.stats.speculation.context_per_round, output.stats.speculation.accepted_per_round, strict=True
+        )
+    ]
+    return {
+        "label": variant.label,
+        "options": variant.options,
+        "lossless": all(a.token_ids == b.token_ids for a, b in zip(outputs, baseline, strict=True)),
+        "rounds": rounds,
+        "mean_accepted": wrapped.last_stats.mean_accepted,
+        "mean_drafted": wrapped.last_stats.num_draft_tokens / max(1, wrapped.last_stats.num_rounds),
+        "tokens_per_s": wrapped.last_stats.generated_tokens / elapsed,
+    }
+
+
+def bucket_means(rounds: list[tuple[int, int]]) -> list[tuple[float, int] | None]:
+    """(mean accepted, rounds) per context bucket, None where a bucket saw no round."""
+    means = []
+    for low, high in BUCKETS:
+        inside = [accepted for context, accepted in rounds if context >= low and (high is None or context < high)]
+        means.append((sum(inside) / len(inside), len(inside)) if inside else None)
+    return means
+
+
+def markdown(results: list[dict], command: str, machine: str, spec: dict) -> str:
+    header = "| policy | lossless | all rounds | " + " | ".join(bucket_label(*b) for b in BUCKETS) + " | tok/s |"
+    lines = [
+        f"Command: `{command}`  ",
+        f"Machine: {machine}  ",
+        f"Settings: greedy, fp32 unless stated, k={spec['k']}, sparsity={spec['sparsity']}, "
+        f"min_budget={spec['min_budget']}. Mean accepted drafts per verify round (bonus token not counted), "
+        "rounds in parentheses.",
+        "",
+        header,
+        "|" + "---|" * (header.count("|") - 1),
+    ]
+    for result in results:
+        cells = ["-" if cell is None else f"{cell[0]:.2f} ({cell[1]})" for cell in bucket_means(result["rounds"])]
+        lines.append(
+            f"| {result['label']} | {'yes' if result['lossless'] else 'NO'} | {result['mean_accepted']:.2f} "
+            f"({len(result['rounds'])}) | " + " | ".join(cells) + f" | {result['tokens_per_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: str, bin_width: int = 256) -> None:
+    """Mean accepted per round against context length, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for result in results:
+        bins: dict[int, list[int]] = {}
+        for context, accepted in result["rounds"]:
+            bins.setdefault(context // bin_width, []).append(accepted)
+        xs = sorted(bins)
+        ax.plot(
+            [(x + 0.5) * bin_width for x in xs],
+            [sum(bins[x]) / len(bins[x]) for x in xs],
+            marker="o",
+            label=result["label"],
+        )
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("accepted drafts per round")
+    ax.set_ylim(0, None)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="local HF directory or .gguf (default: embedded SmolLM2)")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=1536)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--sparsity", type=float, default=0.05)
+    parser.add_argument("--min-budget", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--policies", nargs="*", help="labels of the variants to run (default: all)")
+    parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--json", help="write the raw per-round results here")
+    parser.add_argument("--plot", help="write the acceptance-vs-context plot here (PNG)")
+    args = parser.parse_args()
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.prompts)]
+    spec = {"k": args.k, "sparsity": args.sparsity, "min_budget": args.min_budget, "max_batch_size": len(prompts)}
+    baseline = sparsespec.wrap(model, max_batch_size=len(prompts)).generate_batch(
+        prompts, max_new_tokens=args.max_new_tokens, do_sample=False
+    )
+    variants = [v for v in default_variants() if not args.policies or v.label in args.policies]
+    results = []
+    for variant in variants:
+        results.append(measure(model, prompts, args.max_new_tokens, baseline, variant, **spec))
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "rounds"}), flush=True)
+        if args.json:
+            with open(args.json, "w") as sink:
+                json.dump(results, sink)
+    device = (
+        torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or 'x86_64'})"
+    )
+    command = "python -m torchspec.bench.acceptance " + " ".join(
+        f"--{k.replace('_', '-')} {v}"
+        for k, v in vars(args).items()
+        if v is not None and k in ("prompts", "max_new_tokens", "k", "sparsity", "min_budget", "dtype")
+    )
+    table = markdown(results, command, f"{device}, torch {torch.__version__}", spec)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as sink:
+            sink.write(table)
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
