@@ -13,6 +13,7 @@ import json
 import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -138,7 +139,15 @@ def main() -> None:
     parser.add_argument("--out", help="write the markdown table here")
     parser.add_argument("--json", help="write the raw per-round results here")
     parser.add_argument("--plot", help="write the acceptance-vs-context plot here (PNG)")
+    parser.add_argument("--merge", nargs="*", help="tabulate earlier --json results instead of generating")
+    parser.add_argument("--command", help="with --merge: the command line to record")
+    parser.add_argument("--machine", help="with --merge: the machine to record")
     args = parser.parse_args()
+    if args.merge:
+        results = [result for path in args.merge for result in json.loads(Path(path).read_text())]
+        spec = {"k": args.k, "sparsity": args.sparsity, "min_budget": args.min_budget}
+        report(results, args.command, args.machine, spec, args.out, args.plot)
+        return
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.prompts)]
@@ -162,13 +171,17 @@ def main() -> None:
         for k, v in vars(args).items()
         if v is not None and k in ("prompts", "max_new_tokens", "k", "sparsity", "min_budget", "dtype")
     )
-    table = markdown(results, command, f"{device}, torch {torch.__version__}", spec)
+    report(results, command, f"{device}, torch {torch.__version__}", spec, args.out, args.plot)
+
+
+def report(results: list[dict], command: str, machine: str, spec: dict, out: str | None, plot_path: str | None) -> None:
+    table = markdown(results, command, machine, spec)
     print(table)
-    if args.out:
-        with open(args.out, "w") as sink:
+    if out:
+        with open(out, "w") as sink:
             sink.write(table)
-    if args.plot:
-        plot(results, args.plot)
+    if plot_path:
+        plot(results, plot_path)
 
 
 if __name__ == "__main__":
