@@ -42,6 +42,6 @@ class QuestPolicy(DraftPolicy):
             .amax(dim=1)
         )  # [Hkv, P]
         best = bound.topk(min(num_pages, max(1, count // PAGE_SIZE)), dim=-1).indices  # [Hkv, pages]
-        positions = (best[..., None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).flatten(1)
+        positions = (best[..., None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=best.device)).flatten(1)
         # The last page may be partial: its missing positions become -1 (padding, skipped by attention).
         return self.with_recent(request, position, torch.where(positions < older, positions, -1))
