@@ -24,6 +24,8 @@ class SpecConfig:
         num_sinks: first tokens (attention sinks) that streaming-style drafts always attend to.
         recent_window: latest tokens before the verify that PillarAttn drafts always attend to, on top of
             the tokens written since (0 = the paper's selection: Top-K decides everything older).
+        successors: PillarAttn also takes the next ``successors`` positions after each Top-K pick, within the
+            same budget (copy/induction attention moves forward with the query; 0 = the paper's selection).
         max_batch_size: most requests decoded together.
         kv_capacity_tokens: KV slots in the pool; ``None`` sizes the pool from free device memory.
         max_step_tokens: most query tokens in one forward step (bounds prefill chunks).
@@ -40,6 +42,7 @@ class SpecConfig:
     min_budget: int = 128
     num_sinks: int = 4
     recent_window: int = 0
+    successors: int = 0
     max_batch_size: int = 256
     kv_capacity_tokens: int | None = None
     max_step_tokens: int = 2048
@@ -65,7 +68,7 @@ class SpecConfig:
             _is_int(self.min_budget) and self.min_budget >= 1,
             f"min_budget must be an integer >= 1, got {self.min_budget!r}",
         )
-        for name in ("num_sinks", "recent_window"):
+        for name in ("num_sinks", "recent_window", "successors"):
             value = getattr(self, name)
             _require(_is_int(value) and value >= 0, f"{name} must be an integer >= 0, got {value!r}")
         _require(

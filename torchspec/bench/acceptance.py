@@ -36,6 +36,10 @@ def default_variants() -> list[Variant]:
     """Every available policy at the paper's settings, and PillarAttn with a 64-token recent window."""
     variants = [Variant(str(name), {"draft": name}) for name in AVAILABLE_DRAFTS if name is not None]
     variants.append(Variant("pillar + recent 64", {"draft": "pillar", "recent_window": 64}))
+    variants.append(Variant("pillar + successors 4", {"draft": "pillar", "successors": 4}))
+    variants.append(
+        Variant("pillar + recent 64 + successors 4", {"draft": "pillar", "recent_window": 64, "successors": 4})
+    )
     return variants
 
 

@@ -31,7 +31,9 @@ class PillarPolicy(DraftPolicy):
             request.round.pattern = torch.arange(older)
             return
         scores = torch.stack([layer_mass[:, :older] for layer_mass in mass])  # [layers, Hkv, older]
-        request.round.pattern = scores.topk(num_selected, dim=-1).indices.sort(dim=-1).values
+        span = self.config.successors + 1
+        picks = scores.topk(max(1, num_selected // span) if num_selected else 0, dim=-1).indices
+        request.round.pattern = _expand_successors(picks, span, older)
 
     def draft_positions(self, request: Request, position: int) -> torch.Tensor:
         pattern = request.round.pattern
@@ -39,3 +41,14 @@ class PillarPolicy(DraftPolicy):
         if pattern.dim() == 1:
             return torch.cat([pattern, recent])
         return torch.cat([pattern, recent.expand(*pattern.shape[:2], -1)], dim=-1)
+
+
+def _expand_successors(picks: torch.Tensor, span: int, limit: int) -> torch.Tensor:
+    """Each pick and the ``span - 1`` positions after it, sorted per row; positions >= ``limit`` and repeats
+    become -1 (padding that attention skips), so every row keeps the same length."""
+    if span == 1:
+        return picks.sort(dim=-1).values
+    positions = (picks[..., None] + torch.arange(span)).flatten(-2).sort(dim=-1).values
+    repeated = torch.zeros_like(positions, dtype=torch.bool)
+    repeated[..., 1:] = positions[..., 1:] == positions[..., :-1]
+    return torch.where(repeated | (positions >= limit), -1, positions)
