@@ -27,7 +27,7 @@ class PillarPolicy(DraftPolicy):
         super().on_verify(request, mass, older)
         context = mass[0].shape[-1] if mass else first_query_position
         num_selected = min(older, max(0, self.budget(context) - (context - older)))
-        if num_selected == older:
+        if num_selected == older or not mass:  # the budget covers it all, or no layer drafts sparsely
             request.round.pattern = torch.arange(older)
             return
         scores = torch.stack([layer_mass[:, :older] for layer_mass in mass])  # [layers, Hkv, older]

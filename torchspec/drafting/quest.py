@@ -41,7 +41,8 @@ class QuestPolicy(DraftPolicy):
             .sum(dim=-1)
             .amax(dim=1)
         )  # [Hkv, P]
-        best = bound.topk(min(num_pages, max(1, count // PAGE_SIZE)), dim=-1).indices  # [Hkv, pages]
+        pages_in_budget = num_pages if count >= older else max(1, count // PAGE_SIZE)
+        best = bound.topk(min(num_pages, pages_in_budget), dim=-1).indices  # [Hkv, pages]
         positions = (best[..., None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=best.device)).flatten(1)
         # The last page may be partial: its missing positions become -1 (padding, skipped by attention).
         return self.with_recent(request, position, torch.where(positions < older, positions, -1))

@@ -1,0 +1,775 @@
+"""Speculation is lossless in greedy decoding, and its bookkeeping adds up.
+
+Every draft policy must give exactly the tokens of ``draft=None`` (plain greedy decoding) on tiny random
+models, whatever the draft length, budget, batch schedule, KV capacity, stop tokens or sliding windows; the
+speculation counters must agree with each other, with the per-request stats and with what the engine really
+did (recorded by spying on the runner and the policy). Budgets are mostly small (``min_budget=8``,
+``sparsity=0.1`` on 40-174 token contexts) so draft steps really attend sparsely (random tiny models then
+reject most drafts); a middling budget (48) and one covering the context exercise accepted drafts. Engine
+tests check that rounds happened, so none passes vacuously, and that no KV slot leaked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from tests.torchspec.conftest import (
+    FIRST_PROMPT_TOKEN,
+    PAD_TOKEN_ID,
+    Batch,
+    TinyModelSpec,
+    assert_no_slot_leak,
+    generated_rows,
+    tiny_spec,
+)
+from torchspec import SpecConfig, sparsespec
+from torchspec.config import AVAILABLE_DRAFTS, DRAFT_POLICIES
+from torchspec.drafting import POLICIES
+from torchspec.drafting.pillar import PillarPolicy
+from torchspec.kv_cache import LayerSpec
+from torchspec.request import Request, SamplingParams
+from torchspec.scheduler import Phase, StepPlan, StepResult
+from torchspec.workloads import chat_token_ids, read_prompts
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+POLICY_NAMES = list(POLICIES)
+MAX_NEW_TOKENS = 24
+KV_CAPACITY = 1024  # plenty, unless a test says otherwise
+SPARSE = {"min_budget": 8, "sparsity": 0.1}  # 8-15 of 40-170 positions: drafts really are sparse
+DENSE = {"min_budget": 256}  # covers every context here: drafts attend to everything
+
+GQA = tiny_spec("llama", 2)  # 4 query heads over 2 KV heads
+MHA = tiny_spec("qwen3", 4)  # one KV head per query head
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+SLIDING_SPECS = [
+    tiny_spec("qwen3", use_sliding_window=True, sliding_window=8, layer_types=[FULL, SLIDING]),
+    tiny_spec("qwen3", 4, use_sliding_window=True, sliding_window=16, layer_types=[SLIDING, FULL]),
+    tiny_spec("mistral", sliding_window=16),  # every layer windowed: no layer drafts sparsely
+]
+
+
+@dataclass(frozen=True)
+class MixedBatch(Batch):
+    """Random prompts, every other one a short random phrase repeated (so n-gram lookups find matches)."""
+
+    period: int = 7
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        prompts = super().prompts
+        for i in range(1, len(prompts), 2):
+            n = len(prompts[i])
+            prompts[i] = (prompts[i][: self.period] * n)[:n]
+        return prompts
+
+
+BATCH = MixedBatch((40, 77, 150, 101))
+
+
+def _ids(specs: Sequence[TinyModelSpec]) -> list[str]:
+    return [spec.id for spec in specs]
+
+
+# -- spies ---------------------------------------------------------------------------------------------------
+@dataclass
+class Verify:
+    """One verify (or plain decode) step of one request, as the runner saw it."""
+
+    request: Request
+    first_position: int
+    drafts: list[int]
+    num_accepted: int
+    tokens: list[int]
+
+
+@dataclass
+class DraftCall:
+    """One ``draft_positions`` (or query-aware ``select_positions``) call: the draft position, the positions it
+    attends to, and the policy's state for the request at that time."""
+
+    request_id: int
+    position: int
+    positions: torch.Tensor
+    pattern: Any
+    recent_start: int
+
+
+@dataclass
+class Recorder:
+    """Spies on a wrapper's runner (every step's plan and results) and draft policy (every draft step's
+    positions); ``reset()`` between calls."""
+
+    verifies: list[Verify] = field(default_factory=list)
+    draft_calls: list[DraftCall] = field(default_factory=list)
+    prefill_samples: list[Request] = field(default_factory=list)  # last prompt chunks, which sample a token
+    step_tokens: list[int] = field(default_factory=list)
+    step_requests: list[set[int]] = field(default_factory=list)
+    mixed_steps: int = 0  # steps holding a prefill chunk next to a draft or verify
+
+    @classmethod
+    def attach(cls, wrapped: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+        recorder = cls()
+        runner, policy = wrapped.engine.runner, wrapped.engine.policy
+        run = runner.run
+
+        def spy_run(plan: StepPlan) -> list[StepResult]:
+            before = [
+                (item, item.first_position, list(item.request.round.tokens), item.samples) for item in plan.scheduled
+            ]
+            results = run(plan)
+            recorder.step_tokens.append(plan.num_tokens)
+            recorder.step_requests.append({item.request.request_id for item in plan.scheduled})
+            phases = {item.phase for item in plan.scheduled}
+            recorder.mixed_steps += Phase.PREFILL in phases and len(phases) > 1
+            for (item, first_position, drafts, samples), result in zip(before, results, strict=True):
+                if item.phase is Phase.VERIFY:
+                    assert item.num_query_tokens == 1 + len(drafts)
+                    recorder.verifies.append(
+                        Verify(item.request, first_position, drafts, result.num_accepted, list(result.tokens))
+                    )
+                elif item.phase is Phase.PREFILL and samples:
+                    recorder.prefill_samples.append(item.request)
+            return results
+
+        monkeypatch.setattr(runner, "run", spy_run)
+        if policy is None or policy.proposes_tokens:
+            return recorder
+        name = "select_positions" if policy.selects_in_attention else "draft_positions"
+        positions_of = getattr(policy, name)
+
+        def spy_positions(request: Request, position: int, *args: Any) -> torch.Tensor:
+            positions = positions_of(request, position, *args)
+            state = request.round
+            recorder.draft_calls.append(
+                DraftCall(request.request_id, position, positions, state.pattern, state.recent_start)
+            )
+            return positions
+
+        monkeypatch.setattr(policy, name, spy_positions)
+        return recorder
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def requests(self) -> list[Request]:
+        """Every request that produced a token, by id."""
+        seen = {id(r): r for r in [*self.prefill_samples, *(v.request for v in self.verifies)]}
+        return sorted(seen.values(), key=lambda r: r.request_id)
+
+    def emitted(self, request: Request) -> int:
+        """Tokens the steps produced for ``request`` (a stop token may have cut the last step's short)."""
+        from_prefill = sum(r is request for r in self.prefill_samples)
+        return from_prefill + sum(len(v.tokens) for v in self.verifies if v.request is request)
+
+
+# -- running and checking ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def baseline():
+    """``baseline(spec, batch, **generate_kwargs)``: draft=None greedy ``generate`` output, computed once per
+    module and checked to have no speculation counters (callers get a copy)."""
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def run(spec: TinyModelSpec, batch: Batch, **kwargs: Any) -> torch.Tensor:
+        key = (spec, batch, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items())))
+        if key not in cache:
+            wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=KV_CAPACITY)
+            cache[key] = wrapped.generate(**batch.kwargs(), do_sample=False, **_lengths(kwargs))
+            stats = wrapped.last_stats
+            assert (stats.num_rounds, stats.num_draft_tokens, stats.num_accepted_tokens) == (0, 0, 0)
+            assert_no_slot_leak(wrapped)
+        return cache[key].clone()
+
+    return run
+
+
+def _lengths(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {"max_new_tokens": MAX_NEW_TOKENS} | kwargs
+
+
+def _wrap(spec: TinyModelSpec, monkeypatch: pytest.MonkeyPatch, **options: Any) -> tuple[Any, Recorder]:
+    wrapped = sparsespec.wrap(spec.build(), **({"kv_capacity_tokens": KV_CAPACITY} | options))
+    return wrapped, Recorder.attach(wrapped, monkeypatch)
+
+
+def _rows_equal(expected: torch.Tensor, actual: torch.Tensor, what: str) -> None:
+    if torch.equal(expected, actual):
+        return
+    assert expected.shape == actual.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    row, column = (expected != actual).nonzero()[0].tolist()
+    raise AssertionError(
+        f"{what}: first difference at row {row}, column {column}: {actual[row, column].item()} != "
+        f"draft=None's {expected[row, column].item()}\nactual:\n{actual}\nexpected:\n{expected}"
+    )
+
+
+def check_bookkeeping(wrapped: Any, recorder: Recorder, stopped: bool = False) -> None:
+    """The call's speculation counters agree with each other, with each request's counters and with the
+    verify steps the runner really ran; no KV slot leaked."""
+    assert_no_slot_leak(wrapped)
+    k = wrapped.spec_config.k
+    stats = wrapped.last_stats
+    histogram = stats.accepted_histogram
+    assert len(histogram) == k + 1
+    assert stats.num_rounds == sum(histogram)
+    assert stats.num_accepted_tokens == sum(i * count for i, count in enumerate(histogram))
+    assert 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens <= k * stats.num_rounds
+    assert 0 <= stats.mean_accepted <= k
+    assert stats.mean_accepted == pytest.approx(stats.num_accepted_tokens / max(1, stats.num_rounds))
+    # What the runner did: rounds are the verifies that checked drafts; a verify accepts a prefix of its drafts.
+    rounds = [v for v in recorder.verifies if v.drafts]
+    assert stats.num_rounds == len(rounds)
+    assert stats.num_draft_tokens == sum(len(v.drafts) for v in rounds)
+    assert stats.num_accepted_tokens == sum(v.num_accepted for v in rounds)
+    for v in recorder.verifies:
+        assert len(v.drafts) <= k
+        produced = v.first_position + 1 - v.request.num_prompt_tokens  # output tokens before this verify
+        assert produced + len(v.drafts) + 1 <= v.request.params.max_new_tokens, "drafted past max_new_tokens"
+        assert v.tokens[: v.num_accepted] == v.drafts[: v.num_accepted]
+        assert len(v.tokens) == v.num_accepted + 1
+        if v.num_accepted < len(v.drafts):
+            assert v.tokens[-1] != v.drafts[v.num_accepted], "a draft equal to the target's token was rejected"
+    # Per request.
+    requests = recorder.requests()
+    assert sum(r.spec_stats.num_rounds for r in requests) == stats.num_rounds
+    assert sum(r.spec_stats.num_draft_tokens for r in requests) == stats.num_draft_tokens
+    assert sum(r.spec_stats.num_accepted_tokens for r in requests) == stats.num_accepted_tokens
+    assert stats.generated_tokens == sum(r.num_output_tokens for r in requests)
+    for request in requests:
+        spec = request.spec_stats
+        own = [v for v in rounds if v.request is request]
+        assert spec.accepted_per_round == [v.num_accepted for v in own]
+        assert spec.context_per_round == [v.first_position for v in own]
+        assert spec.num_rounds == len(own) == len(spec.accepted_per_round)
+        assert spec.num_draft_tokens == sum(len(v.drafts) for v in own)
+        assert spec.num_accepted_tokens == sum(spec.accepted_per_round)
+        # The prefill's token, then each verify's accepted drafts and one more; a stop token may cut the last.
+        emitted = recorder.emitted(request)
+        if stopped:
+            assert request.num_output_tokens <= emitted
+        else:
+            assert request.num_output_tokens == emitted
+
+
+def check_outputs(wrapped: Any, outputs: Sequence[Any], recorder: Recorder) -> None:
+    """generate_batch's per-request stats are the engine's per-request counters, and add up to the call's."""
+    stats = wrapped.last_stats
+    by_id = {r.request_id: r for r in recorder.requests()}
+    for output in outputs:
+        speculation = output.stats.speculation
+        assert speculation == by_id[output.index].spec_stats
+        assert output.stats.generated_tokens == len(output.token_ids)
+        assert output.stats.mean_accepted == pytest.approx(
+            speculation.num_accepted_tokens / max(1, speculation.num_rounds)
+        )
+        assert 0 <= output.stats.mean_accepted <= wrapped.spec_config.k
+    assert sum(o.stats.speculation.num_rounds for o in outputs) == stats.num_rounds
+    assert sum(o.stats.speculation.num_draft_tokens for o in outputs) == stats.num_draft_tokens
+    assert sum(o.stats.speculation.num_accepted_tokens for o in outputs) == stats.num_accepted_tokens
+    assert sum(o.stats.generated_tokens for o in outputs) == stats.generated_tokens
+
+
+def check_rounds_happened(wrapped: Any, recorder: Recorder) -> None:
+    """Drafts were made and verified; every draft step attended to itself and nothing later, each position at
+    most once; and where the budget (+ k recent tokens) is below the context, some draft step attended sparsely."""
+    stats = wrapped.last_stats
+    assert stats.num_rounds > 0 and stats.num_draft_tokens > 0, f"no speculation round ran: {stats}"
+    policy = wrapped.engine.policy
+    if policy.proposes_tokens or (not policy.sparse_layers and policy.selects_in_attention):
+        return  # no forward-free drafts to inspect, or no layer that selects
+    assert recorder.draft_calls, "no draft step ran"
+    for call in recorder.draft_calls:
+        rows = call.positions.reshape(-1, call.positions.shape[-1])
+        for row in rows:
+            valid = row[row >= 0]  # -1 is padding (a partial page)
+            assert int(valid[-1]) == call.position, "a draft step does not attend to itself"
+            assert bool((valid.diff() > 0).all()), f"draft positions not sorted and unique: {valid.tolist()}"
+    k = wrapped.spec_config.k
+    if policy.sparse_layers and any(policy.budget(c.position + 1) + k < c.position + 1 for c in recorder.draft_calls):
+        sparse = [
+            call for call in recorder.draft_calls if int((call.positions >= 0).sum(dim=-1).max()) < call.position + 1
+        ]
+        assert sparse, "no draft step attended sparsely: the budget covered every context"
+
+
+def _self_drafting(policy: str) -> bool:
+    return not POLICIES[policy].proposes_tokens
+
+
+# -- 1. lossless: policies x architectures x draft length and budget -------------------------------------------
+MEDIUM = {"min_budget": 48, "sparsity": 0.1}  # sparse on 3 of the 4 prompts, yet many drafts accepted
+DRAFTING = [
+    pytest.param(policy, k, budget, id=f"{policy}-{label}")
+    for policy in POLICY_NAMES
+    for k, budget, label in [(4, SPARSE, "k4"), (1, SPARSE, "k1"), (8, SPARSE, "k8"), (4, MEDIUM, "k4-budget48")]
+    if budget is SPARSE or _self_drafting(policy)  # token proposers have no attention budget
+]
+
+
+@pytest.mark.parametrize(("policy", "k", "budget"), DRAFTING)
+@pytest.mark.parametrize("spec", [GQA, MHA], ids=_ids([GQA, MHA]))
+def test_greedy_generate_is_lossless(spec, policy, k, budget, baseline, monkeypatch):
+    """Left-padded generate with drafts of length k gives draft=None's tensor token for token; the counters
+    add up and sparse rounds really ran (with a middling budget, drafts are also accepted)."""
+    expected = baseline(spec, BATCH)
+    wrapped, recorder = _wrap(spec, monkeypatch, draft=policy, k=k, **budget)
+    actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    _rows_equal(expected, actual, f"{spec.id} {policy} k={k}")
+    check_bookkeeping(wrapped, recorder)
+    check_rounds_happened(wrapped, recorder)
+    if budget is MEDIUM:
+        histogram = wrapped.last_stats.accepted_histogram
+        assert sum(histogram[1:]) > 0, f"no draft was ever accepted: {histogram}"
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICY_NAMES if _self_drafting(p)])
+def test_budget_covering_the_context_accepts_every_draft(policy, baseline, monkeypatch):
+    """With a budget larger than every context a self-draft attends to everything, so it is the target's own
+    greedy token and every draft is accepted: any slip in the drafts' KV, positions or round bookkeeping
+    would show as a rejection."""
+    expected = baseline(GQA, BATCH)
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft=policy, k=4, **DENSE)
+    actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    _rows_equal(expected, actual, policy)
+    check_bookkeeping(wrapped, recorder)
+    stats = wrapped.last_stats
+    assert stats.num_rounds > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens, stats.accepted_histogram
+    assert stats.accepted_histogram[0] == 0
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 6, 7])
+@pytest.mark.parametrize("policy", ["pillar", "ngram"])
+def test_rounds_are_cut_to_the_tokens_still_allowed(policy, max_new_tokens, baseline, monkeypatch):
+    """Near max_new_tokens a round drafts only what can still be emitted (1 or 2 tokens: no round; 6 with k=4:
+    the prefill's token and one full round; 7: then a plain step): exact lengths and draft=None's tokens."""
+    expected = baseline(GQA, BATCH, max_new_tokens=max_new_tokens)
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft=policy, k=4, **DENSE)
+    actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=max_new_tokens, do_sample=False)
+    _rows_equal(expected, actual, f"{policy} max_new_tokens={max_new_tokens}")
+    assert actual.shape[1] == BATCH.width + max_new_tokens
+    check_bookkeeping(wrapped, recorder)
+    stats = wrapped.last_stats
+    if max_new_tokens <= 2:
+        assert stats.num_rounds == 0
+    elif policy == "pillar":  # 6 and 7 tokens: one round of 4 exact drafts per request (7: then one plain step)
+        assert stats.num_accepted_tokens == stats.num_draft_tokens == 4 * len(BATCH.lengths)
+        assert sum(not v.drafts for v in recorder.verifies) == (max_new_tokens - 6) * len(BATCH.lengths)
+
+
+# -- schedules: chunked prefill, batch limit, KV capacity, with generate_batch ---------------------------------
+LARGEST_NEED = max(BATCH.lengths) + MAX_NEW_TOKENS + 4  # prompt + max_new_tokens + k draft slots
+TOTAL_NEED = sum(BATCH.lengths) + len(BATCH.lengths) * (MAX_NEW_TOKENS + 4)
+SMALL_POOL = 200
+SCHEDULES = [
+    pytest.param({"max_step_tokens": 8}, id="chunk8"),
+    pytest.param({"max_batch_size": 2}, id="batch2"),
+    pytest.param({"kv_capacity_tokens": SMALL_POOL}, id=f"kv{SMALL_POOL}"),
+]
+
+
+@pytest.mark.parametrize("options", SCHEDULES)
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_generate_batch_schedules_are_lossless(policy, options, baseline, monkeypatch):
+    """generate_batch over 4 unpadded prompts, with prefill chunks sharing steps with drafts and verifies, only
+    2 requests at a time, or a pool too small for the batch's reservations (prompt + max_new_tokens + k): each
+    request's tokens are draft=None's, per-request stats add up, and the pool is reusable."""
+    assert LARGEST_NEED <= SMALL_POOL < TOTAL_NEED
+    spec = MHA
+    expected = generated_rows(baseline(spec, BATCH), BATCH)
+    wrapped, recorder = _wrap(spec, monkeypatch, draft=policy, k=4, **MEDIUM, **options)
+    for call in range(2 if "kv_capacity_tokens" in options else 1):  # a second call reuses slots and stale KV
+        recorder.reset()
+        outputs = wrapped.generate_batch(
+            BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False
+        )
+        assert [o.token_ids for o in outputs] == expected, f"call {call}"
+        assert [o.finish_reason for o in outputs] == ["length"] * len(expected)
+        check_bookkeeping(wrapped, recorder)
+        check_outputs(wrapped, outputs, recorder)
+        check_rounds_happened(wrapped, recorder)
+    if "max_step_tokens" in options:
+        assert max(recorder.step_tokens) <= options["max_step_tokens"]
+        assert recorder.mixed_steps > 0, "no step mixed a prompt chunk with a draft or verify"
+    if "max_batch_size" in options:
+        assert max(map(len, recorder.step_requests)) == options["max_batch_size"]
+    if "kv_capacity_tokens" in options:
+        assert wrapped.engine.pool.num_slots == SMALL_POOL
+        assert max(map(len, recorder.step_requests)) < len(BATCH.lengths), "the pool was not a limit"
+
+
+# -- sliding windows -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("spec", SLIDING_SPECS, ids=_ids(SLIDING_SPECS))
+def test_sliding_window_models_are_lossless(spec, policy, baseline, monkeypatch):
+    """Windowed layers keep reading their window in draft steps, full-attention layers draft sparsely (a
+    Mistral model has a window on every layer, so there are none): output is draft=None's."""
+    expected = baseline(spec, BATCH)
+    wrapped, recorder = _wrap(spec, monkeypatch, draft=policy, k=4, **SPARSE)
+    windows = [layer.sliding_window for layer in wrapped.layers]
+    assert any(w is not None for w in windows)
+    assert wrapped.engine.policy.sparse_layers == [i for i, w in enumerate(windows) if w is None]
+    actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    _rows_equal(expected, actual, f"{spec.id} {policy}")
+    check_bookkeeping(wrapped, recorder)
+    check_rounds_happened(wrapped, recorder)
+    if _self_drafting(policy) and not wrapped.engine.policy.sparse_layers:
+        stats = wrapped.last_stats  # no layer drafts sparsely: drafts are exact
+        assert stats.num_accepted_tokens == stats.num_draft_tokens, stats.accepted_histogram
+
+
+# -- stop tokens ---------------------------------------------------------------------------------------------
+def _eos_on_accepted_draft(recorder: Recorder, batch: Batch) -> int:
+    """A token that some request first generates as an accepted draft, so with it as EOS that request stops in
+    the middle of a round, dropping the verified tokens after it (preferring the most dropped)."""
+    prompts = batch.prompts
+    best = None
+    for v in recorder.verifies:
+        output = v.request.token_ids[len(prompts[v.request.request_id]) :]
+        start = v.first_position + 1 - len(prompts[v.request.request_id])  # output index of the first draft
+        for j, token in enumerate(v.drafts[: v.num_accepted]):
+            if token != PAD_TOKEN_ID and token not in output[: start + j]:
+                score = (v.num_accepted - j, -start)  # most accepted drafts dropped, then earliest
+                best = max(best or (score, token), (score, token))
+    assert best is not None, "no accepted draft is a first occurrence in its output; pick another seed"
+    return best[1]
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_eos_on_an_accepted_draft_ends_the_row_mid_round(policy, baseline, monkeypatch):
+    """A request whose EOS arrives as an accepted draft (not the verify's own token) stops right there: the
+    verified tokens after it are dropped, other rows go on, the output is draft=None's with that EOS. Self-drafts
+    use a budget covering the context here, so that their drafts are accepted."""
+    spec = GQA
+    options = {"draft": policy, "k": 4} | (DENSE if _self_drafting(policy) else {})
+    wrapped, recorder = _wrap(spec, monkeypatch, **options)
+    wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    eos = _eos_on_accepted_draft(recorder, BATCH)
+    expected = baseline(spec, BATCH, eos_token_id=eos)
+    rows = generated_rows(expected, BATCH, [eos])
+    assert any(row[-1] == eos for row in rows)
+    recorder.reset()
+    actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=eos)
+    _rows_equal(expected, actual, f"{policy} eos={eos}")
+    check_bookkeeping(wrapped, recorder, stopped=True)
+    check_rounds_happened(wrapped, recorder)
+    mid_round = [
+        v
+        for v in recorder.verifies
+        if eos in v.tokens[: v.num_accepted] and v.request.token_ids[-1] == eos and v.request.finish_reason == "stop"
+    ]
+    assert mid_round, "no request stopped on an accepted draft"
+    for v in mid_round:
+        assert v.request.output_ids.count(eos) == 1
+    if _self_drafting(policy):
+        assert any(v.tokens.index(eos) < v.num_accepted - 1 for v in mid_round), "no accepted draft was dropped"
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_min_new_tokens_holds_back_eos_in_drafts_and_verifies(policy, baseline, monkeypatch):
+    """With min_new_tokens, an EOS that greedy decoding would produce early is suppressed in draft steps and
+    verifies alike (no draft of it is accepted that early), exactly as in draft=None."""
+    spec, min_new = GQA, 12
+    rows = generated_rows(baseline(spec, BATCH), BATCH)
+    early = [t for row in rows for t in row[1:8] if t != PAD_TOKEN_ID]
+    eos = max(set(early), key=early.count)  # a token some row generates early
+    expected = baseline(spec, BATCH, eos_token_id=eos, min_new_tokens=min_new)
+    assert not torch.equal(expected, baseline(spec, BATCH, eos_token_id=eos)), "min_new_tokens changed nothing"
+    wrapped, recorder = _wrap(spec, monkeypatch, draft=policy, k=4, **MEDIUM)
+    actual = wrapped.generate(
+        **BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=min_new, do_sample=False, eos_token_id=eos
+    )
+    _rows_equal(expected, actual, f"{policy} eos={eos}")
+    check_bookkeeping(wrapped, recorder, stopped=True)
+    check_rounds_happened(wrapped, recorder)
+    for row in generated_rows(actual, BATCH, [eos]):
+        assert eos not in row[:min_new]
+    for v in recorder.verifies:
+        produced = v.first_position + 1 - v.request.num_prompt_tokens
+        too_early = v.drafts[: max(0, min_new - produced)]
+        assert eos not in too_early[: v.num_accepted], "an EOS draft before min_new_tokens was accepted"
+
+
+# -- draft=None ----------------------------------------------------------------------------------------------
+def test_no_draft_has_zero_speculation_counters(monkeypatch):
+    """Without a draft policy nothing is drafted: every counter, call-wide and per request, is zero."""
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft=None)
+    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, progress_bar=False)
+    stats = wrapped.last_stats
+    assert (stats.num_rounds, stats.num_draft_tokens, stats.num_accepted_tokens, stats.mean_accepted) == (0, 0, 0, 0)
+    assert sum(stats.accepted_histogram) == 0
+    for output in outputs:
+        speculation = output.stats.speculation
+        assert (speculation.num_rounds, speculation.num_draft_tokens, speculation.num_accepted_tokens) == (0, 0, 0)
+        assert speculation.accepted_per_round == [] and speculation.context_per_round == []
+        assert output.stats.mean_accepted == 0
+    assert all(not v.drafts for v in recorder.verifies)
+    check_bookkeeping(wrapped, recorder)
+
+
+# -- PillarAttn: the pattern a verify leaves and the positions drafts read --------------------------------------
+@dataclass
+class PillarVerify:
+    request_id: int
+    mass: list[torch.Tensor]  # per full-attention layer, [num_kv_heads, context]
+    first_query: int
+    pattern: torch.Tensor
+    recent_start: int
+
+
+@pytest.mark.parametrize("spec", [GQA, SLIDING_SPECS[0]], ids=_ids([GQA, SLIDING_SPECS[0]]))
+def test_pillar_pattern_is_top_k_of_the_verify_mass(spec, monkeypatch):
+    """After each verify (and last prompt chunk) the pattern is, per full-attention layer and KV head, the K
+    older positions with the most exact attention mass, K = budget - (k + 1) for a verify of k drafts (all older
+    positions when the budget covers them), sorted; each draft step reads the pattern plus every position from
+    that verify's first query to its own, at most budget + k positions."""
+    k = 4
+    wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=KV_CAPACITY, draft="pillar", k=k, **SPARSE)
+    policy = wrapped.engine.policy
+    full_layers = [layer.layer_idx for layer in wrapped.layers if layer.sliding_window is None]
+    num_kv_heads = wrapped.layers[0].num_kv_heads
+    assert policy.sparse_layers == full_layers
+    events: list[Any] = []
+    on_verify, draft_positions = policy.on_verify, policy.draft_positions
+
+    def spy_verify(request: Request, mass: Sequence[torch.Tensor], first_query: int) -> None:
+        on_verify(request, mass, first_query)
+        state = request.round
+        events.append(PillarVerify(request.request_id, list(mass), first_query, state.pattern, state.recent_start))
+
+    def spy_positions(request: Request, position: int) -> torch.Tensor:
+        positions = draft_positions(request, position)
+        events.append(DraftCall(request.request_id, position, positions, request.round.pattern, 0))
+        return positions
+
+    monkeypatch.setattr(policy, "on_verify", spy_verify)
+    monkeypatch.setattr(policy, "draft_positions", spy_positions)
+    wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    assert_no_slot_leak(wrapped)
+
+    latest: dict[int, PillarVerify] = {}
+    full_verifies = selected = drafts = 0
+    for event in events:
+        if isinstance(event, DraftCall):
+            verify = latest[event.request_id]
+            budget = policy.budget(verify.mass[0].shape[-1])
+            pattern, recent = verify.pattern, torch.arange(verify.first_query, event.position + 1)
+            expected = torch.cat([pattern, recent if pattern.dim() == 1 else recent.expand(*pattern.shape[:2], -1)], -1)
+            assert torch.equal(event.positions, expected)
+            assert event.positions.shape[-1] <= budget + k
+            drafts += 1
+            continue
+        latest[event.request_id] = event
+        mass, first_query, pattern = event.mass, event.first_query, event.pattern
+        context = mass[0].shape[-1]
+        num_queries = context - first_query
+        assert 1 <= num_queries <= k + 1
+        assert event.recent_start == first_query
+        assert len(mass) == len(full_layers)
+        for layer_mass in mass:
+            assert layer_mass.shape == (num_kv_heads, context)
+            # Each query's probabilities sum to 1, and so does their average.
+            torch.testing.assert_close(layer_mass.sum(dim=-1), torch.ones(num_kv_heads))
+        budget = policy.budget(context)
+        size = min(first_query, max(0, budget - num_queries))
+        if size == first_query:
+            assert torch.equal(pattern, torch.arange(first_query))
+            continue
+        assert pattern.shape == (len(full_layers), num_kv_heads, size)
+        if num_queries == k + 1:
+            assert size == budget - (k + 1)
+            full_verifies += 1
+        assert bool((pattern < first_query).all()) and bool((pattern >= 0).all())
+        assert bool((pattern.diff(dim=-1) > 0).all()), "pattern not sorted (or repeats a position)"
+        for i, layer_mass in enumerate(mass):
+            for head in range(num_kv_heads):
+                older = layer_mass[head, :first_query]
+                chosen = torch.zeros(first_query, dtype=torch.bool)
+                chosen[pattern[i, head]] = True
+                if size:
+                    assert older[chosen].min() >= older[~chosen].max(), "Top-K skipped a heavier position"
+                    selected += 1
+    assert full_verifies > 0 and selected > 0 and drafts > 0, (full_verifies, selected, drafts)
+
+
+def _layer_specs(windows: Sequence[int | None], num_kv_heads: int = 2) -> list[LayerSpec]:
+    return [
+        LayerSpec(layer_idx=i, num_heads=4, num_kv_heads=num_kv_heads, head_dim=16, scaling=0.25, sliding_window=w)
+        for i, w in enumerate(windows)
+    ]
+
+
+def _pillar(**options: Any) -> PillarPolicy:
+    """PillarAttn over full / sliding / full layers with 2 KV heads."""
+    return PillarPolicy(SpecConfig(draft="pillar", **options), _layer_specs([None, 8, None]))
+
+
+def _request(length: int = 100) -> Request:
+    return Request(
+        request_id=0, prompt_ids=list(range(FIRST_PROMPT_TOKEN, FIRST_PROMPT_TOKEN + length)), params=SamplingParams()
+    )
+
+
+# Per (sparse layer, KV head): five older positions given the most mass.
+PLANTED = {
+    (0, 0): [0, 17, 42, 60, 94],
+    (0, 1): [5, 6, 7, 8, 9],
+    (1, 0): [90, 91, 92, 93, 94],
+    (1, 1): [1, 30, 31, 70, 88],
+}
+
+
+def test_pillar_top_k_of_a_synthetic_mass():
+    """on_verify keeps, per sparse layer and KV head, exactly the K = budget - (k + 1) older positions of most
+    mass, sorted; the verify's own positions never compete (they are read anyway); the draft at position p
+    then reads those plus first_query..p."""
+    policy = _pillar(k=4, min_budget=8, sparsity=0.1)
+    assert policy.sparse_layers == [0, 2]
+    request = _request()
+    assert not policy.ready(request), "PillarAttn drafts before any verify told it where to look"
+    context, first_query = 100, 95  # a verify of 4 drafts: queries at 95..99
+    generator = torch.Generator().manual_seed(0)
+    mass = [torch.rand(2, context, generator=generator) for _ in policy.sparse_layers]
+    for (layer, head), positions in PLANTED.items():
+        mass[layer][head, positions] += 5.0
+    for layer_mass in mass:
+        layer_mass[:, first_query:] += 100.0  # heaviest of all, but not candidates
+    policy.on_verify(request, mass, first_query)
+    assert policy.budget(context) == 10  # ceil(0.1 * 100)
+    expected = torch.tensor([[PLANTED[layer, head] for head in range(2)] for layer in range(2)])
+    assert torch.equal(request.round.pattern, expected)
+    assert request.round.recent_start == first_query
+    assert policy.ready(request)
+    positions = policy.draft_positions(request, 97)
+    assert torch.equal(positions, torch.cat([expected, torch.tensor([95, 96, 97]).expand(2, 2, -1)], dim=-1))
+
+
+def test_pillar_budget_covering_older_positions_keeps_them_all():
+    """When the budget holds every older position, the pattern is all of them (one list shared by layers and
+    heads) and a draft reads the whole context."""
+    policy = _pillar(k=4, min_budget=200)
+    request = _request()
+    mass = [torch.rand(2, 100) for _ in policy.sparse_layers]
+    policy.on_verify(request, mass, 95)
+    assert torch.equal(request.round.pattern, torch.arange(95))
+    assert torch.equal(policy.draft_positions(request, 98), torch.arange(99))
+
+
+def test_pillar_budget_below_the_verify_queries_keeps_only_recent_positions():
+    """A budget smaller than the verify's own k + 1 queries leaves no older position: drafts read only what
+    was written since the verify (never a negative Top-K)."""
+    policy = _pillar(k=8, min_budget=8, sparsity=0.01)
+    request = _request()
+    policy.on_verify(request, [torch.rand(2, 100) for _ in policy.sparse_layers], 91)
+    assert request.round.pattern.shape == (2, 2, 0)
+    assert torch.equal(policy.draft_positions(request, 93), torch.arange(91, 94).expand(2, 2, -1))
+
+
+# -- 5. bad options ------------------------------------------------------------------------------------------
+# test_bad_input.py already covers sparsity 0 and 1.5, k=0, min_budget=0 and an unknown draft name.
+UNAVAILABLE = [name for name in DRAFT_POLICIES if name not in AVAILABLE_DRAFTS]
+BAD_OPTIONS = [
+    pytest.param({"k": -1}, r"k must be an integer >= 1, got -1", id="k=-1"),
+    pytest.param({"k": 2.5}, r"k must be an integer >= 1, got 2\.5", id="k=2.5"),
+    pytest.param({"k": True}, r"k must be an integer >= 1, got True", id="k=True"),
+    pytest.param({"k": "4"}, r"k must be an integer >= 1, got '4'", id="k=str"),
+    pytest.param({"k": None}, r"k must be an integer >= 1, got None", id="k=None"),
+    pytest.param({"sparsity": -0.1}, r"sparsity must be in \(0, 1\], got -0\.1", id="sparsity<0"),
+    pytest.param({"sparsity": float("nan")}, r"sparsity must be in \(0, 1\], got nan", id="sparsity=nan"),
+    pytest.param({"sparsity": True}, r"sparsity must be in \(0, 1\], got True", id="sparsity=True"),
+    pytest.param({"sparsity": "0.1"}, r"sparsity must be in \(0, 1\], got '0\.1'", id="sparsity=str"),
+    pytest.param({"sparsity": None}, r"sparsity must be in \(0, 1\], got None", id="sparsity=None"),
+    pytest.param({"min_budget": -3}, r"min_budget must be an integer >= 1, got -3", id="min_budget<0"),
+    pytest.param({"min_budget": 1.5}, r"min_budget must be an integer >= 1, got 1\.5", id="min_budget=1.5"),
+    pytest.param({"min_budget": True}, r"min_budget must be an integer >= 1, got True", id="min_budget=True"),
+    pytest.param({"draft": "Pillar"}, r"unknown draft policy 'Pillar'; choose one of \[", id="draft=Pillar"),
+    pytest.param({"draft": ""}, r"unknown draft policy ''", id="draft=empty"),
+    pytest.param({"draft": 1}, r"unknown draft policy 1", id="draft=1"),
+    *(
+        pytest.param({"draft": name}, rf"draft='{name}' is not available in this release", id=f"draft={name}")
+        for name in UNAVAILABLE
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> torch.nn.Module:
+    return GQA.build()
+
+
+@pytest.mark.parametrize(("options", "message"), BAD_OPTIONS)
+def test_bad_speculation_option_is_refused(tiny_model, options, message):
+    """wrap() (and SpecConfig) refuse a bad k, sparsity, min_budget or draft name with a ValueError naming the
+    option, the bad value and what is allowed."""
+    with pytest.raises(ValueError, match=message):
+        sparsespec.wrap(tiny_model, **options)
+    with pytest.raises(ValueError, match=message):
+        SpecConfig(**options)
+
+
+def test_unknown_draft_error_lists_every_policy(tiny_model):
+    """The error for an unknown draft name lists every registered policy (and None)."""
+    with pytest.raises(ValueError, match="unknown draft policy") as error:
+        sparsespec.wrap(tiny_model, draft="nosuch")
+    for name in POLICY_NAMES:
+        assert repr(name) in str(error.value)
+    assert "None" in str(error.value)
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_registered_policy_is_available_and_edge_values_are_accepted(tiny_model, policy):
+    """Each registered policy is accepted by name, with the smallest k, sparsity 1 and min_budget 1, and the
+    engine runs that policy's class."""
+    wrapped = sparsespec.wrap(tiny_model, draft=policy, k=1, sparsity=1, min_budget=1, kv_capacity_tokens=64)
+    assert policy in AVAILABLE_DRAFTS
+    assert type(wrapped.engine.policy) is POLICIES[policy]
+    assert wrapped.engine.policy.config.k == 1
+
+
+# -- 3. the real SmolLM2 on reasoning prompts --------------------------------------------------------------------
+SMOLLM2_NEW_TOKENS = 256
+SMOLLM2_OPTIONS = {"k": 8, "sparsity": 0.05, "min_budget": 128, "kv_capacity_tokens": 2048}
+
+
+@pytest.fixture(scope="module")
+def smollm2_reasoning(smollm2) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, draft=None's greedy tokens) for two chat-templated reasoning prompts, computed once."""
+    model, tokenizer = smollm2
+    prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=2)]
+    wrapped = sparsespec.wrap(model, kv_capacity_tokens=SMOLLM2_OPTIONS["kv_capacity_tokens"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in single_thread (a module fixture runs before it): far faster on a busy CPU
+    try:
+        outputs = wrapped.generate_batch(
+            prompts, max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, progress_bar=False
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert wrapped.last_stats.num_rounds == 0
+    return prompts, [o.token_ids for o in outputs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["pillar", "streaming", "ngram"])
+def test_smollm2_reasoning_is_lossless(smollm2, smollm2_reasoning, policy, monkeypatch):
+    """SmolLM2-135M on two reasoning prompts, 256 greedy tokens, k=8 at 5% sparsity (min_budget 128): every
+    policy reproduces draft=None token for token, and PillarAttn accepts most of its drafts."""
+    model, _ = smollm2
+    prompts, expected = smollm2_reasoning
+    wrapped = sparsespec.wrap(model, draft=policy, **SMOLLM2_OPTIONS)
+    recorder = Recorder.attach(wrapped, monkeypatch)
+    outputs = wrapped.generate_batch(prompts, max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, progress_bar=False)
+    for output, tokens in zip(outputs, expected, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(output.token_ids, tokens, strict=False)) if a != b), None)
+        assert output.token_ids == tokens, f"{policy}, prompt {output.index}: first difference at new token {first}"
+    check_bookkeeping(wrapped, recorder, stopped=any(o.finish_reason == "stop" for o in outputs))
+    check_outputs(wrapped, outputs, recorder)
+    check_rounds_happened(wrapped, recorder)
+    if policy == "pillar":
+        assert wrapped.last_stats.mean_accepted > 4, wrapped.last_stats.summary()
