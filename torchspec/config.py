@@ -9,7 +9,7 @@ from typing import Any
 #: Draft policies known to the project; ``None`` decodes without speculation.
 DRAFT_POLICIES: tuple[str, ...] = ("pillar", "streaming", "ngram", "quest", "sparsespec_l", "oracle")
 #: Policies this release can run.
-AVAILABLE_DRAFTS: tuple[str | None, ...] = (None, "pillar", "streaming", "ngram", "quest", "oracle")
+AVAILABLE_DRAFTS: tuple[str | None, ...] = (None, *DRAFT_POLICIES)
 
 
 @dataclass(frozen=True)

@@ -181,16 +181,22 @@ class Runner:
             if not item.samples:
                 results.append(StepResult())
             elif item.phase is Phase.DRAFT:
-                results.append(self._draft_result(row, argmax, probs))
+                results.append(self._draft_result(row, argmax, probs, logits))
             else:
                 results.append(self._verify_result(item, row, argmax, probs))
         return results
 
-    def _draft_result(self, row: int, argmax: list[int], probs: dict[int, torch.Tensor]) -> StepResult:
+    def _draft_result(
+        self, row: int, argmax: list[int], probs: dict[int, torch.Tensor], logits: torch.Tensor
+    ) -> StepResult:
+        entropy = None
+        if self.policy.uses_draft_entropy:
+            log_probs = logits[row].log_softmax(dim=-1)
+            entropy = float(-(log_probs.exp() * log_probs).nan_to_num().sum())
         if row not in probs:
-            return StepResult(draft_token=argmax[row])
+            return StepResult(draft_token=argmax[row], draft_entropy=entropy)
         token = int(torch.multinomial(probs[row], 1, generator=self.generator))
-        return StepResult(draft_token=token, draft_probs=probs[row])
+        return StepResult(draft_token=token, draft_probs=probs[row], draft_entropy=entropy)
 
     def _verify_result(
         self, item: ScheduledRequest, row: int, argmax: list[int], probs: dict[int, torch.Tensor]

@@ -78,6 +78,7 @@ class StepResult:
     num_accepted: int = 0  # drafts accepted (verify)
     draft_token: int | None = None  # draft step: the drafted token
     draft_probs: torch.Tensor | None = None  # draft step: its warped distribution (sampling only)
+    draft_entropy: float | None = None  # draft step: entropy of the draft's distribution (if the policy asks)
 
 
 class Scheduler:
@@ -141,6 +142,7 @@ class Scheduler:
             current.length = 0
         elif self.policy.proposes_tokens:
             current.tokens = self.policy.propose(request, length)
+            current.probs = [None] * len(current.tokens)  # proposals: point masses (see runner)
             current.length = len(current.tokens)
         else:
             current.length = length
@@ -162,8 +164,13 @@ class Scheduler:
         for item, result in zip(plan.scheduled, results, strict=True):
             request = item.request
             if item.phase is Phase.DRAFT:
-                request.round.tokens.append(result.draft_token)
-                request.round.probs.append(result.draft_probs)
+                current = request.round
+                current.tokens.append(result.draft_token)
+                current.probs.append(result.draft_probs)
+                if result.draft_entropy is not None:
+                    current.entropies.append(result.draft_entropy)
+                if not self.policy.continue_drafting(request):
+                    current.length = len(current.tokens)
                 continue
             if item.phase is Phase.PREFILL:
                 samples = item.samples  # (before the prefilled tokens count as computed)
@@ -172,6 +179,8 @@ class Scheduler:
                     continue
             else:
                 self._record_round(request, item, result)
+                if self.policy is not None and item.num_query_tokens > 1:
+                    self.policy.on_round_end(request, result.num_accepted)
                 # The newest token and the accepted drafts keep their (exact, verified) K/V.
                 request.num_computed_tokens += 1 + result.num_accepted
                 self.allocator.free(request.slots[request.num_computed_tokens :])

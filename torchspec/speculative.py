@@ -48,7 +48,7 @@ def accept_sampled(
     for i, token in enumerate(drafts):
         target, draft = target_probs[i], draft_probs[i]
         p, q = float(target[token]), float(draft[token])
-        if q > 0 and uniforms[i] * q <= p:  # u <= p/q, without dividing
+        if uniforms[i] * q < p:  # u < p/q without dividing; strict, so p = 0 is never accepted (u can be 0)
             continue
         residual = (target - draft).clamp(min=0)
         if float(residual.sum()) <= 0:  # p == q up to rounding: any sample from p is exact

@@ -29,6 +29,8 @@ class DraftPolicy:
     uses_verify_scores: ClassVar[bool] = False
     #: Draft steps choose their positions inside attention, from the layer's own query (``select_positions``).
     selects_in_attention: ClassVar[bool] = False
+    #: Draft steps report the entropy of their distribution (``request.round.entropies``).
+    uses_draft_entropy: ClassVar[bool] = False
 
     def __init__(self, config: SpecConfig, layers: Sequence[LayerSpec]) -> None:
         self.config = config
@@ -71,6 +73,13 @@ class DraftPolicy:
         """``selected`` older positions (``[Hkv, n]``), sorted, followed by every position since the verify."""
         recent = torch.arange(request.round.recent_start, position + 1, device=selected.device)
         return torch.cat([selected.sort(dim=-1).values, recent.expand(selected.shape[0], -1)], dim=-1)
+
+    def continue_drafting(self, request: Request) -> bool:
+        """After each draft step: whether this round drafts another token (up to its length)."""
+        return True
+
+    def on_round_end(self, request: Request, num_accepted: int) -> None:
+        """After a verify checked this round's drafts (``request.round`` still holds them)."""
 
     def on_verify(self, request: Request, mass: Sequence[torch.Tensor] | None, first_query_position: int) -> None:
         """Called after a step that ends with full attention over the request's newest tokens (a verify, or the

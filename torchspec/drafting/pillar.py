@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from torchspec.config import SpecConfig
 from torchspec.drafting.base import DraftPolicy
+from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
 
 
@@ -21,19 +23,28 @@ class PillarPolicy(DraftPolicy):
     def ready(self, request: Request) -> bool:
         return request.round.pattern is not None
 
+    def __init__(self, config: SpecConfig, layers: Sequence[LayerSpec]) -> None:
+        super().__init__(config, layers)
+        self.num_sinks = 0  # first tokens always kept (the paper keeps none)
+        self.window = config.recent_window
+
     def on_verify(self, request: Request, mass: Sequence[torch.Tensor] | None, first_query_position: int) -> None:
         # Positions before the verify's queries and the recent window compete for the rest of the budget.
-        older = max(0, first_query_position - self.config.recent_window)
+        older = max(0, first_query_position - self.window)
         super().on_verify(request, mass, older)
         context = mass[0].shape[-1] if mass else first_query_position
-        num_selected = min(older, max(0, self.budget(context) - (context - older)))
-        if num_selected == older or not mass:  # the budget covers it all, or no layer drafts sparsely
+        sinks = min(self.num_sinks, older)
+        num_selected = min(older - sinks, max(0, self.budget(context) - (context - older) - sinks))
+        if num_selected == older - sinks or not mass:  # the budget covers it all, or no layer drafts sparsely
             request.round.pattern = torch.arange(older)
             return
-        scores = torch.stack([layer_mass[:, :older] for layer_mass in mass])  # [layers, Hkv, older]
+        scores = torch.stack([layer_mass[:, sinks:older] for layer_mass in mass])  # [layers, Hkv, candidates]
         span = self.config.successors + 1
-        picks = scores.topk(max(1, num_selected // span) if num_selected else 0, dim=-1).indices
-        request.round.pattern = _expand_successors(picks, span, older)
+        picks = scores.topk(max(1, num_selected // span) if num_selected else 0, dim=-1).indices + sinks
+        pattern = _expand_successors(picks, span, older)
+        if sinks:
+            pattern = torch.cat([torch.arange(sinks).expand(*pattern.shape[:2], -1), pattern], dim=-1)
+        request.round.pattern = pattern
 
     def draft_positions(self, request: Request, position: int) -> torch.Tensor:
         pattern = request.round.pattern

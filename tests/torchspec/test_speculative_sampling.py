@@ -1,0 +1,458 @@
+"""Speculative sampling is lossless: the acceptance rules alone, then the whole engine, checked statistically.
+
+Every statistical check is a chi-square test run with fixed seeds. The significance level was fixed before
+looking at any result: each test fails when one of its ``m`` p-values is below ``ALPHA / m`` (Bonferroni,
+``ALPHA = 1e-3``), so a correct implementation that merely draws other random numbers (a changed seed, a
+reordered RNG call) fails a given test with probability at most 1e-3. Hard invariants (a token of probability
+0 is never emitted, EOS never before ``min_new_tokens``) are exact assertions, not tests.
+
+The engine samples from the global torch RNG (no generator is set), so every engine run is seeded with
+``torch.manual_seed`` inside ``torch.random.fork_rng``. Reference distributions come from the model's own
+transformers forward and transformers' own warpers, never from torchspec's sampling code.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from tests.torchspec.conftest import tiny_spec
+from torchspec import sparsespec
+from torchspec.speculative import accept_greedy, accept_sampled
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+ALPHA = 1e-3  # family-wise significance level of each test (see the module docstring)
+MIN_EXPECTED = 5.0  # chi-square cells expected to hold fewer samples are pooled into one
+
+
+# -- chi-square tests --------------------------------------------------------------------------------------------
+
+
+def chi2_sf(statistic: float, dof: int) -> float:
+    """P(X >= statistic) for X ~ chi-square(dof): the regularized upper incomplete gamma Q(dof/2, statistic/2)."""
+    if dof <= 0:
+        return 1.0
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )
+
+
+def goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of ``counts`` (any shape) being a sample of ``probs`` (same shape, sums to 1).
+
+    Cells expected to hold fewer than MIN_EXPECTED samples are pooled into one. A sample in a cell of
+    probability 0 is an outright failure, not a small p-value.
+    """
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    impossible = counts[probs == 0].sum()
+    assert impossible == 0, f"{int(impossible)} samples fell on outcomes of probability 0"
+    expected = probs * counts.sum()
+    big = expected >= MIN_EXPECTED
+    observed, expected = (
+        torch.cat([counts[big], counts[~big & (probs > 0)].sum()[None]]),
+        torch.cat([expected[big], expected[~big].sum()[None]]),
+    )
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    return chi2_sf(float(((observed - expected) ** 2 / expected).sum()), len(expected) - 1)
+
+
+def two_sample(a: torch.Tensor, b: torch.Tensor) -> float:
+    """p-value of two count tables (same shape) being samples of one distribution (2 x K contingency table).
+
+    Outcomes seen fewer than 2 * MIN_EXPECTED times in both samples together are pooled into one.
+    """
+    a, b = a.flatten().double(), b.flatten().double()
+    big = (a + b) >= 2 * MIN_EXPECTED
+    a = torch.cat([a[big], a[~big].sum()[None]])
+    b = torch.cat([b[big], b[~big].sum()[None]])
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    total = a + b
+    expected_a, expected_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+    statistic = ((a - expected_a) ** 2 / expected_a).sum() + ((b - expected_b) ** 2 / expected_b).sum()
+    return chi2_sf(float(statistic), len(total) - 1)
+
+
+def binomial_p_value(successes: int, trials: int, probability: float) -> float:
+    """Two-sided p-value of a binomial count (normal approximation: trials * p * (1 - p) is large here)."""
+    if probability in (0.0, 1.0):
+        return 1.0 if successes == probability * trials else 0.0
+    z = (successes - trials * probability) / math.sqrt(trials * probability * (1 - probability))
+    return math.erfc(abs(z) / math.sqrt(2))
+
+
+def assert_p_values(p_values: dict[str, float], context: str = "") -> None:
+    """Every p-value above ALPHA / m (Bonferroni over the m checks of one test)."""
+    threshold = ALPHA / len(p_values)
+    shown = ", ".join(f"{name} {p:.3g}" for name, p in p_values.items())
+    failed = [name for name, p in p_values.items() if not p > threshold]
+    assert not failed, f"{context}: {failed} below {threshold:.2g}; all p-values: {shown}"
+
+
+def count_table(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[N, n]`` token ids -> ``[V] * n`` counts of each n-tuple."""
+    counts = torch.zeros((vocab_size,) * tokens.shape[1], dtype=torch.long)
+    counts.index_put_(tuple(tokens.T), torch.ones(len(tokens), dtype=torch.long), accumulate=True)
+    return counts
+
+
+# -- accept_greedy -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("targets", "drafts", "accepted", "tokens"),
+    [
+        ([5], [], 0, [5]),  # no drafts: the target's argmax
+        ([1, 2, 3], [1, 2], 2, [1, 2, 3]),  # all match: the bonus argmax after the last draft
+        ([1, 2, 3], [1, 4], 1, [1, 2]),  # mismatch: the matching prefix and the argmax replacing it
+        ([7, 2, 3], [1, 2], 0, [7]),  # first draft wrong: later matches do not count
+        ([4, 4, 4, 9], [4, 4, 4], 3, [4, 4, 4, 9]),
+        ([0, 1, 2, 3, 4], [0, 1, 9, 3], 2, [0, 1, 2]),
+    ],
+)
+def test_accept_greedy(targets, drafts, accepted, tokens):
+    """accept_greedy keeps exactly the prefix of drafts equal to the target argmax and appends the argmax at the
+    first mismatch (or the bonus argmax): the emitted tokens are plain greedy decoding's."""
+    assert accept_greedy(targets, drafts) == (accepted, tokens)
+
+
+# -- accept_sampled ------------------------------------------------------------------------------------------------
+
+UNIT_VOCAB = 6
+UNIT_TRIALS = 6000
+
+
+def _distribution(generator: torch.Generator, *shape: int, zero: Sequence[int] = (), scale: float = 1.5):
+    """Random distributions over the last axis, with probability exactly 0 on the ``zero`` tokens."""
+    logits = torch.randn(*shape, UNIT_VOCAB, generator=generator, dtype=torch.float64) * scale
+    logits[..., list(zero)] = -math.inf
+    return logits.softmax(-1)
+
+
+def _one_hot(token: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(token), UNIT_VOCAB).double()
+
+
+def _unit_case(name: str) -> dict[str, torch.Tensor]:
+    """Targets p0 [V], p1 [V, V] and p2 [V, V, V] (conditioned on the tokens before), drafts q0 [V], q1 [V, V]."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    p0, p1, p2 = _distribution(g), _distribution(g, UNIT_VOCAB), _distribution(g, UNIT_VOCAB, UNIT_VOCAB)
+    if name == "full_support":
+        q0, q1 = _distribution(g), _distribution(g, UNIT_VOCAB)
+    elif name == "q_zero_where_p_positive":  # residual sampling must produce the tokens the draft never proposes
+        q0, q1 = _distribution(g, zero=[0, 1, 2]), _distribution(g, UNIT_VOCAB, zero=[3, 4])
+    elif name == "p_zero_where_q_positive":  # like top-k / top-p filtered targets: such drafts are always rejected
+        p0, p1 = _distribution(g, zero=[4, 5]), _distribution(g, UNIT_VOCAB, zero=[0, 5])
+        q0, q1 = _distribution(g), _distribution(g, UNIT_VOCAB)
+    elif name == "equal":  # p == q: every draft is accepted
+        q0, q1 = p0.clone(), p1.clone()
+    elif name == "disjoint":  # no overlap: every draft is rejected
+        p0, p1 = _distribution(g, zero=[0, 1, 2]), _distribution(g, UNIT_VOCAB, zero=[0, 1, 2])
+        q0, q1 = _distribution(g, zero=[3, 4, 5]), _distribution(g, UNIT_VOCAB, zero=[3, 4, 5])
+    elif name == "point_mass":  # n-gram proposals: fixed tokens, q = one_hot (as the runner builds it)
+        q0 = _one_hot(int(p0.argmax()))
+        q1 = _one_hot(int(p1[int(p0.argmax())].argmax())).expand(UNIT_VOCAB, -1)
+    elif name == "point_mass_on_impossible_token":  # a proposal the target forbids (an EOS before min_new_tokens)
+        p0, p1 = _distribution(g, zero=[2]), _distribution(g, UNIT_VOCAB, zero=[3])
+        q0, q1 = _one_hot(2), _one_hot(3).expand(UNIT_VOCAB, -1)
+    else:
+        raise ValueError(name)
+    return {"p0": p0, "p1": p1, "p2": p2, "q0": q0, "q1": q1}
+
+
+UNIT_CASES = [
+    "full_support",
+    "q_zero_where_p_positive",
+    "p_zero_where_q_positive",
+    "equal",
+    "disjoint",
+    "point_mass",
+    "point_mass_on_impossible_token",
+]
+
+
+@pytest.mark.parametrize("name", UNIT_CASES)
+def test_accept_sampled_is_exact(name):
+    """Two drafts d1 ~ q0, d2 ~ q1[d1] verified against p0, p1[d1] and p2[d1, d2]: the emitted tokens are
+    distributed as p0(t1), p0(t1) p1(t2 | t1) and p0(t1) p1(t2 | t1) p2(t3 | t1, t2) (tokens missing after a
+    rejection are drawn from p1 / p2, as the next decode steps would). The first draft's acceptance rate is
+    sum(min(p0, q0)), the optimum: rejecting more would still be exact, but slower.
+
+    Protects the rejection-sampling rule of speculative.py for the draft shapes the engine produces: sparse
+    self-drafts (full or partial support), filtered targets (zeros in p), n-gram proposals (one-hot q), and the
+    bonus token after full acceptance. With 6000 trials a wrong residual (p instead of max(0, p - q)), a bonus
+    from the wrong row, or one uniform shared by both drafts fail several cases with p-values below 1e-15.
+    """
+    case = _unit_case(name)
+    p0, p1, p2, q0, q1 = (case[key] for key in ("p0", "p1", "p2", "q0", "q1"))
+    g = torch.Generator().manual_seed(1234)
+    d1 = torch.multinomial(q0.float(), UNIT_TRIALS, replacement=True, generator=g)
+    d2 = torch.multinomial(q1[d1].float(), 1, generator=g)[:, 0]
+    # what the following decode steps would sample, given the tokens so far: [V, trials] and [V * V, trials]
+    next_second = torch.multinomial(p1.float(), UNIT_TRIALS, replacement=True, generator=g)
+    next_third = torch.multinomial(p2.reshape(-1, UNIT_VOCAB).float(), UNIT_TRIALS, replacement=True, generator=g)
+    accept_generator = torch.Generator().manual_seed(99)
+    emitted, first_accepted = [], 0
+    for trial, (a, b) in enumerate(zip(d1.tolist(), d2.tolist(), strict=True)):
+        target = torch.stack([p0, p1[a], p2[a, b]]).float()
+        accepted, tokens = accept_sampled(target, [a, b], [q0.float(), q1[a].float()], accept_generator)
+        assert tokens[:accepted] == [a, b][:accepted] and len(tokens) == accepted + 1
+        first_accepted += accepted >= 1
+        if len(tokens) == 1:
+            tokens.append(int(next_second[tokens[0], trial]))
+        if len(tokens) == 2:
+            tokens.append(int(next_third[tokens[0] * UNIT_VOCAB + tokens[1], trial]))
+        emitted.append(tokens)
+    counts = count_table(torch.tensor(emitted), UNIT_VOCAB)
+    joint = p0[:, None, None] * p1[:, :, None] * p2
+    acceptance = float(torch.minimum(p0, q0).sum())
+    assert_p_values(
+        {
+            "t1": goodness_of_fit(counts.sum((1, 2)), joint.sum((1, 2))),
+            "t1t2": goodness_of_fit(counts.sum(2), joint.sum(2)),
+            "t1t2t3": goodness_of_fit(counts, joint),
+            "first draft acceptance rate": binomial_p_value(first_accepted, UNIT_TRIALS, acceptance),
+        },
+        f"{name} (acceptance {first_accepted / UNIT_TRIALS:.3f}, expected {acceptance:.3f})",
+    )
+
+
+def test_accept_sampled_never_accepts_a_zero_probability_draft(monkeypatch):
+    """A draft the target gives probability 0 (outside top-k / top-p, or EOS before min_new_tokens) is never
+    accepted, even when the uniform draw is exactly 0.0, which torch.rand returns with probability 2**-24.
+
+    Protects the exactness of the acceptance test ``u < p / q``: written as ``u * q <= p`` it accepts such a
+    draft whenever u == 0.0, emitting a token the target forbids. Deterministic: torch.rand is made to return 0.
+    """
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.zeros(*shape, dtype=torch.float32))
+    target = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    for draft_probs in (torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.4, 0.3, 0.3])):
+        accepted, tokens = accept_sampled(target, [0], [draft_probs], torch.Generator().manual_seed(0))
+        assert accepted == 0, f"draft 0 has target probability 0 but was accepted (q = {draft_probs.tolist()})"
+        assert tokens[0] != 0
+
+
+# -- the engine end to end -----------------------------------------------------------------------------------------
+
+VOCAB = 16
+SPEC = tiny_spec("llama", vocab_size=VOCAB)  # initializer_range 0.2: next-token entropy well between 0 and log V
+# Found by search: repeated tokens, so n-gram lookup proposes drafts, and a next-token distribution that stays
+# spread out under both sampling settings (entropy 2.0 nats at temperature 1, 1.15 warped; log 16 = 2.77) with
+# no top-k / top-p cut near a tie on any reachable prefix.
+PROMPT = [10, 10, 14, 5, 7, 12, 13, 10, 3, 5]
+NUM_SAMPLES = 1200
+NEW_TOKENS = 4  # k = 2: one round drafts tokens 2 and 3 and adds a bonus 4th, or rejects and starts another
+K = 2
+SAMPLING = {
+    "t1": {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+    "t0.7-k8-p0.9": {"temperature": 0.7, "top_k": 8, "top_p": 0.9},
+}
+
+
+def _warped_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, reachable: torch.Tensor):
+    """transformers' warpers (in transformers' order and on/off rules) and softmax of ``[R, V]`` logits.
+
+    The engine's logits differ from transformers' by fp32 rounding, so on the ``reachable`` rows (prefixes of
+    nonzero probability) no top-k or top-p cut may be within 1e-4 of flipping.
+    """
+    scores = TemperatureLogitsWarper(temperature)(None, logits) if temperature != 1.0 else logits
+    if top_k > 0:
+        descending = scores[reachable].sort(dim=-1, descending=True).values
+        gap = (descending[:, top_k - 1] - descending[:, top_k]).min()
+        assert gap > 1e-4, f"a top-k cut is within {gap:.2g} of a tie"
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        cumulative = scores[reachable].sort(dim=-1).values.softmax(-1).cumsum(-1)
+        gap = (cumulative - (1 - top_p)).abs().min()
+        assert gap > 1e-4, f"a top-p cut is within {gap:.2g} of a cumulative probability"
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores.softmax(-1).double()
+
+
+@functools.cache
+def exact_joint(sampling: str, prompt: tuple[int, ...] = tuple(PROMPT), banned_before: int = 0, banned: int = -1):
+    """The exact distribution ``[V] * NEW_TOKENS`` of the first NEW_TOKENS tokens of plain sampling.
+
+    Built from transformers forwards of the prompt followed by every possible continuation; ``banned`` gets
+    probability 0 at the first ``banned_before`` positions (what min_new_tokens does to an EOS id).
+    """
+    model = SPEC.build()
+    joint = torch.ones((), dtype=torch.float64)
+    for step in range(NEW_TOKENS):
+        continuations = list(itertools.product(range(VOCAB), repeat=step))
+        continuations = torch.tensor(continuations, dtype=torch.long).reshape(VOCAB**step, step)
+        inputs = torch.cat([torch.tensor(prompt).expand(len(continuations), -1), continuations], dim=1)
+        with torch.inference_mode():
+            logits = model(input_ids=inputs).logits[:, -1].float()
+        logits = logits.clone()  # (an inference tensor cannot be edited outside inference mode)
+        if step < banned_before:
+            logits[:, banned] = -math.inf
+        conditional = _warped_probs(logits, **SAMPLING[sampling], reachable=joint.flatten() > 0)
+        joint = joint[..., None] * conditional.reshape((VOCAB,) * (step + 1))
+    return joint
+
+
+def _wrap(draft: str | None, num_samples: int, prompt: Sequence[int], max_new_tokens: int):
+    """A fresh model wrapped so all samples are one batch: prefill in one step, decode in lockstep."""
+    return sparsespec.wrap(
+        SPEC.build(),
+        draft=draft,
+        k=K,
+        min_budget=4,  # pillar drafts attend to 1 Top-K position + those since the verify: far from the target
+        sparsity=0.05,
+        max_batch_size=num_samples,
+        kv_capacity_tokens=num_samples * (len(prompt) + max_new_tokens + K),
+        max_step_tokens=num_samples * len(prompt),
+    )
+
+
+def generate(wrapped: Any, seed: int, prompt: Sequence[int], num_samples: int, max_new_tokens: int, **kwargs: Any):
+    """``generate_batch([prompt] * num_samples)`` with sampling, under ``torch.manual_seed(seed)``."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return wrapped.generate_batch(
+            [list(prompt)] * num_samples, max_new_tokens=max_new_tokens, do_sample=True, progress_bar=False, **kwargs
+        )
+
+
+@functools.cache
+def sampled_tokens(draft: str | None, sampling: str) -> tuple[torch.Tensor, Any]:
+    """``[NUM_SAMPLES, NEW_TOKENS]`` tokens sampled by the engine from PROMPT, and the run's stats.
+
+    Each draft policy gets its own seed, so the samples of different policies are independent.
+    """
+    seed = {None: 0, "pillar": 1, "ngram": 2}[draft]
+    wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS)
+    outputs = generate(wrapped, seed, PROMPT, NUM_SAMPLES, NEW_TOKENS, **SAMPLING[sampling])
+    stats = wrapped.last_stats
+    assert all(len(o.token_ids) == NEW_TOKENS and o.finish_reason == "length" for o in outputs)
+    return torch.tensor([o.token_ids for o in outputs]), stats
+
+
+def _p_values_against_exact(counts: torch.Tensor, joint: torch.Tensor) -> dict[str, float]:
+    """Each single token and each adjacent pair against the exact marginals."""
+    p_values = {}
+    for i in range(NEW_TOKENS):
+        others = tuple(j for j in range(NEW_TOKENS) if j != i)
+        p_values[f"t{i + 1} exact"] = goodness_of_fit(counts.sum(others), joint.sum(others))
+    for i in range(NEW_TOKENS - 1):
+        others = tuple(j for j in range(NEW_TOKENS) if j not in (i, i + 1))
+        p_values[f"t{i + 1}t{i + 2} exact"] = goodness_of_fit(counts.sum(others), joint.sum(others))
+    return p_values
+
+
+def test_tiny_model_is_a_useful_sampler():
+    """The test model's next-token distribution after PROMPT is neither near-uniform nor near a point mass, in
+    both sampling settings (entropy between 20% and 90% of log V): otherwise the statistics below test nothing."""
+    for sampling in SAMPLING:
+        first = exact_joint(sampling).sum(dim=tuple(range(1, NEW_TOKENS)))
+        entropy = float(-(first * first.clamp(min=1e-300).log()).sum())
+        assert 0.2 * math.log(VOCAB) < entropy < 0.9 * math.log(VOCAB), f"{sampling}: entropy {entropy:.3f}"
+        assert float(first.max()) < 0.9
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_plain_sampling_matches_the_exact_distribution(sampling):
+    """draft=None: the engine's samples of the first 4 tokens (each one and adjacent pairs) follow the exact
+    distribution from transformers' forward and warpers. Validates the reference the speculative runs are
+    compared with (and the plain sampling path); Bonferroni over the 7 comparisons."""
+    tokens, _ = sampled_tokens(None, sampling)
+    assert_p_values(_p_values_against_exact(count_table(tokens, VOCAB), exact_joint(sampling)), f"None {sampling}")
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("draft", ["pillar", "ngram"])
+def test_speculative_sampling_is_lossless(draft, sampling):
+    """Speculative decoding samples exactly the target distribution: 1200 samples of the first 4 tokens from one
+    prompt (token 1 from the prefill, tokens 2-3 drafted and verified, token 4 a bonus or a new round), each
+    token and each adjacent pair against the exact distribution, and tokens 1 and 1-2 against draft=None samples
+    (two-sample chi-square). Bonferroni over the 9 comparisons.
+
+    The rejection rate must be strictly between 0 and 1 (pillar with min_budget=4 attends to ~4 of 12+
+    positions; n-gram proposals come from the prompt's repeats), else acceptance or rejection goes untested.
+    """
+    tokens, stats = sampled_tokens(draft, sampling)
+    plain, _ = sampled_tokens(None, sampling)
+    rejection_rate = 1 - stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
+    assert stats.num_rounds >= NUM_SAMPLES // 2, f"only {stats.num_rounds} speculation rounds"
+    assert 0.05 < rejection_rate < 0.95, f"rejection rate {rejection_rate:.3f}"
+    counts, plain_counts = count_table(tokens, VOCAB), count_table(plain, VOCAB)
+    p_values = _p_values_against_exact(counts, exact_joint(sampling))
+    p_values["t1 vs draft=None"] = two_sample(counts.sum((1, 2, 3)), plain_counts.sum((1, 2, 3)))
+    p_values["t1t2 vs draft=None"] = two_sample(counts.sum((2, 3)), plain_counts.sum((2, 3)))
+    assert_p_values(p_values, f"{draft} {sampling} ({stats.num_rounds} rounds, rejection rate {rejection_rate:.3f})")
+
+
+# -- min_new_tokens and EOS --------------------------------------------------------------------------------------
+
+EOS_ID = 4  # probability 0.32 right after EOS_PROMPT: without suppression EOS would often come first
+EOS_PROMPT = [4, 6, 4, 5, 4, 3, 4, 12]  # EOS_ID after several tokens: n-gram lookups often propose it early
+MIN_NEW_TOKENS = 3
+EOS_SAMPLES = 400
+EOS_MAX_NEW_TOKENS = 6
+
+
+@pytest.mark.parametrize("draft", [None, "pillar", "ngram"])
+def test_min_new_tokens_and_eos_with_sampling(draft):
+    """With sampling and speculation, EOS is never emitted before min_new_tokens, a request stops at its first
+    EOS after that, and the first 4 tokens (each and adjacent pairs) follow the exact distribution with EOS
+    suppressed at the first 3 (Bonferroni over 7). n-gram lookups propose EOS before min_new_tokens (counted
+    here), and those proposals must be rejected.
+
+    EOS has probability 0.32 right after the prompt (checked), so a suppression bug shows within 400 samples.
+    """
+    unconstrained = exact_joint("t1", tuple(EOS_PROMPT)).sum(dim=(1, 2, 3))
+    assert unconstrained[EOS_ID] > 0.2, "EOS is not likely enough after the prompt to test its suppression"
+    wrapped = _wrap(draft, EOS_SAMPLES, EOS_PROMPT, EOS_MAX_NEW_TOKENS)
+    early_eos_proposals = 0
+    if draft == "ngram":
+        policy = wrapped.engine.policy
+        propose = policy.propose
+
+        def recording_propose(request, max_tokens):
+            nonlocal early_eos_proposals
+            tokens = propose(request, max_tokens)
+            early = tokens[: max(0, MIN_NEW_TOKENS - request.num_output_tokens)]
+            early_eos_proposals += EOS_ID in early
+            return tokens
+
+        policy.propose = recording_propose
+    outputs = generate(
+        wrapped,
+        {None: 3, "pillar": 4, "ngram": 5}[draft],
+        EOS_PROMPT,
+        EOS_SAMPLES,
+        EOS_MAX_NEW_TOKENS,
+        min_new_tokens=MIN_NEW_TOKENS,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+    )
+    stopped = 0
+    for output in outputs:
+        tokens = output.token_ids
+        assert EOS_ID not in tokens[:MIN_NEW_TOKENS], f"EOS before min_new_tokens: {tokens}"
+        if EOS_ID in tokens:
+            assert tokens.index(EOS_ID) == len(tokens) - 1 and output.finish_reason == "stop", tokens
+            stopped += 1
+        else:
+            assert len(tokens) == EOS_MAX_NEW_TOKENS and output.finish_reason == "length", tokens
+    assert stopped > 0, "no request ever stopped at EOS"
+    if draft is not None:
+        assert wrapped.last_stats.num_rounds > 0
+    if draft == "ngram":
+        assert early_eos_proposals > 0, "n-gram lookup never proposed EOS before min_new_tokens"
+    # EOS comes at index MIN_NEW_TOKENS at the earliest, so every output has NEW_TOKENS (4) tokens to compare
+    tokens = torch.tensor([o.token_ids[:NEW_TOKENS] for o in outputs])
+    suppressed = exact_joint("t1", tuple(EOS_PROMPT), MIN_NEW_TOKENS, EOS_ID)
+    assert_p_values(_p_values_against_exact(count_table(tokens, VOCAB), suppressed), f"draft={draft}")
