@@ -6,10 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-#: Draft policies known to the project; ``None`` decodes without speculation.
+#: Draft policies (registered in ``torchspec.drafting``); ``None`` decodes without speculation.
 DRAFT_POLICIES: tuple[str, ...] = ("pillar", "streaming", "ngram", "quest", "sparsespec_l", "oracle")
-#: Policies this release can run.
-AVAILABLE_DRAFTS: tuple[str | None, ...] = (None, *DRAFT_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -55,10 +53,6 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.draft is not None and self.draft not in DRAFT_POLICIES:
             raise ValueError(f"unknown draft policy {self.draft!r}; choose one of {list(DRAFT_POLICIES)} or None")
-        if self.draft not in AVAILABLE_DRAFTS:
-            raise ValueError(
-                f"draft={self.draft!r} is not available in this release; choose one of {list(AVAILABLE_DRAFTS)}"
-            )
         _require(_is_int(self.k) and self.k >= 1, f"k must be an integer >= 1, got {self.k!r}")
         _require(
             isinstance(self.sparsity, (int, float)) and not isinstance(self.sparsity, bool) and 0 < self.sparsity <= 1,

@@ -192,7 +192,6 @@ def test_bad_arguments_refused_before_loading(capsys: pytest.CaptureFixture, arg
         pytest.param(("hi", "--temperature", "0.5", "--top-p", "0"), r"top_p must be in \(0, 1\]", id="top-p=0"),
         pytest.param(("hi", "--temperature", "0.5", "--top-k", "-3"), r"top_k must be .* got -3", id="top-k=-3"),
         pytest.param(("hi", "--max-batch-size", "0"), r"max_batch_size must be .* got 0", id="max-batch-size=0"),
-        pytest.param(("hi", "--draft", "pillar"), r"draft='pillar' is not available", id="draft=pillar"),
         pytest.param(("--prompts-file", "/nonexistent.jsonl"), r"/nonexistent\.jsonl", id="missing-prompts-file"),
     ],
 )

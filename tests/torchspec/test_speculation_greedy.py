@@ -28,7 +28,7 @@ from tests.torchspec.conftest import (
     tiny_spec,
 )
 from torchspec import SpecConfig, sparsespec
-from torchspec.config import AVAILABLE_DRAFTS, DRAFT_POLICIES
+from torchspec.config import DRAFT_POLICIES
 from torchspec.drafting import POLICIES
 from torchspec.drafting.pillar import PillarPolicy
 from torchspec.kv_cache import LayerSpec
@@ -673,7 +673,6 @@ def test_pillar_budget_below_the_verify_queries_keeps_only_recent_positions():
 
 # -- 5. bad options ------------------------------------------------------------------------------------------
 # test_bad_input.py already covers sparsity 0 and 1.5, k=0, min_budget=0 and an unknown draft name.
-UNAVAILABLE = [name for name in DRAFT_POLICIES if name not in AVAILABLE_DRAFTS]
 BAD_OPTIONS = [
     pytest.param({"k": -1}, r"k must be an integer >= 1, got -1", id="k=-1"),
     pytest.param({"k": 2.5}, r"k must be an integer >= 1, got 2\.5", id="k=2.5"),
@@ -691,10 +690,6 @@ BAD_OPTIONS = [
     pytest.param({"draft": "Pillar"}, r"unknown draft policy 'Pillar'; choose one of \[", id="draft=Pillar"),
     pytest.param({"draft": ""}, r"unknown draft policy ''", id="draft=empty"),
     pytest.param({"draft": 1}, r"unknown draft policy 1", id="draft=1"),
-    *(
-        pytest.param({"draft": name}, rf"draft='{name}' is not available in this release", id=f"draft={name}")
-        for name in UNAVAILABLE
-    ),
 ]
 
 
@@ -727,7 +722,7 @@ def test_every_registered_policy_is_available_and_edge_values_are_accepted(tiny_
     """Each registered policy is accepted by name, with the smallest k, sparsity 1 and min_budget 1, and the
     engine runs that policy's class."""
     wrapped = sparsespec.wrap(tiny_model, draft=policy, k=1, sparsity=1, min_budget=1, kv_capacity_tokens=64)
-    assert policy in AVAILABLE_DRAFTS
+    assert policy in DRAFT_POLICIES
     assert type(wrapped.engine.policy) is POLICIES[policy]
     assert wrapped.engine.policy.config.k == 1
 

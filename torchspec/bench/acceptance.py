@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from torchspec import sparsespec
-from torchspec.config import AVAILABLE_DRAFTS
+from torchspec.config import DRAFT_POLICIES
 from torchspec.models import load_model
 from torchspec.workloads import chat_token_ids, read_prompts
 
@@ -34,7 +34,7 @@ class Variant:
 
 def default_variants() -> list[Variant]:
     """Every available policy at the paper's settings, and PillarAttn with a 64-token recent window."""
-    variants = [Variant(str(name), {"draft": name}) for name in AVAILABLE_DRAFTS if name is not None]
+    variants = [Variant(name, {"draft": name}) for name in DRAFT_POLICIES]
     variants.append(Variant("pillar + recent 64", {"draft": "pillar", "recent_window": 64}))
     variants.append(Variant("pillar + successors 4", {"draft": "pillar", "successors": 4}))
     variants.append(
