@@ -10,8 +10,9 @@ import torch
 from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 from torchspec.kv_cache import KVPool, LayerSpec
+from torchspec.sampling import suppress_stop_tokens, warped_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
-from torchspec.speculative import accept_greedy, accept_sampled, warped_probs
+from torchspec.speculative import accept_greedy, accept_sampled
 
 
 class Runner:
@@ -167,9 +168,12 @@ class Runner:
             base = request.num_output_tokens + (len(request.round.tokens) if item.phase is Phase.DRAFT else 0)
             row_params.extend([request.params] * count)
             row_output_index.extend(range(base, base + count))
-        for row, (params, index) in enumerate(zip(row_params, row_output_index, strict=True)):
-            if index < params.min_new_tokens and params.stop_token_ids:
-                logits[row, list(params.stop_token_ids)] = float("-inf")
+        below_minimum = [
+            row
+            for row, (p, index) in enumerate(zip(row_params, row_output_index, strict=True))
+            if index < p.min_new_tokens
+        ]
+        suppress_stop_tokens(logits, below_minimum, [row_params[row].stop_token_ids for row in below_minimum])
         sampled_rows = [row for row, params in enumerate(row_params) if not params.greedy]
         probs = {}
         if sampled_rows:

@@ -40,6 +40,18 @@ def warp_logits(
     return logits.masked_fill(remove, float("-inf"))
 
 
+def warped_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Softmax of transformers-warped logits, one parameter set per row (``logits`` ``[R, V]`` fp32)."""
+    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device)  # noqa: E731
+    warped = warp_logits(
+        logits,
+        as_tensor([p.temperature for p in params], torch.float32),
+        as_tensor([p.top_k for p in params], torch.int64),
+        as_tensor([p.top_p for p in params], torch.float64),
+    )
+    return warped.softmax(dim=-1)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -49,15 +61,7 @@ def sample_tokens(
     tokens = logits.argmax(dim=-1)
     sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
     if sampled_rows:
+        probs = warped_probs(logits[sampled_rows], [params[row] for row in sampled_rows])
         rows = torch.tensor(sampled_rows, device=logits.device)
-        chosen = [params[row] for row in sampled_rows]
-        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device)  # noqa: E731
-        warped = warp_logits(
-            logits[rows],
-            as_tensor([p.temperature for p in chosen], torch.float32),
-            as_tensor([p.top_k for p in chosen], torch.int64),
-            as_tensor([p.top_p for p in chosen], torch.float64),
-        )
-        probs = warped.softmax(dim=-1)
         tokens[rows] = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
     return tokens

@@ -13,21 +13,6 @@ from collections.abc import Sequence
 
 import torch
 
-from torchspec.request import SamplingParams
-from torchspec.sampling import warp_logits
-
-
-def warped_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Softmax of transformers-warped logits, one parameter set per row (``logits`` ``[R, V]`` fp32)."""
-    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device)  # noqa: E731
-    warped = warp_logits(
-        logits,
-        as_tensor([p.temperature for p in params], torch.float32),
-        as_tensor([p.top_k for p in params], torch.int64),
-        as_tensor([p.top_p for p in params], torch.float64),
-    )
-    return warped.softmax(dim=-1)
-
 
 def accept_greedy(target_tokens: Sequence[int], drafts: Sequence[int]) -> tuple[int, list[int]]:
     """``target_tokens`` are the argmax after the newest token and after each draft (``len(drafts) + 1``)."""
