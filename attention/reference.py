@@ -16,7 +16,20 @@ Layout conventions (shared by every implementation of these ops):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class FirstLists(NamedTuple):
+    """The slot lists of the first ``num_requests`` requests of a batch (e.g. sparse per-head draft lists)
+    when they differ from the others', with launch hints of their own."""
+
+    num_requests: int
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    max_q_len: int | None = None
+    max_kv_len: int | None = None
 
 
 def store_kv(
@@ -50,6 +63,10 @@ def paged_attention(
     kv_indices: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
+    first_lists: FirstLists | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a packed batch over per-request slot lists.
 
@@ -57,7 +74,36 @@ def paged_attention(
     head ``g`` (GQA), computed by broadcasting, never by repeating K/V. Returns the output
     ``[T, num_heads, head_dim]`` in the query's dtype and the log-sum-exp of the scaled logits
     ``[T, num_heads]`` in fp32 (``-inf`` and a zero output for a query that sees no entry).
+
+    ``first_lists``: the first ``first_lists.num_requests`` requests read these lists instead (e.g. sparse
+    per-head draft lists next to shared verify lists, one launch in the kernels); ``kv_indptr``/``kv_indices``
+    then cover the remaining requests. ``max_q_len``/``max_kv_len`` (of the remaining requests) and the
+    ones in ``first_lists`` are launch hints for the kernels (upper bounds), unused here.
     """
+    if first_lists is not None:
+        num_first, first_indptr, first_indices = first_lists[:3]
+        split = int(cu_seqlens_q[num_first])
+        first = paged_attention(
+            query[:split],
+            k_cache,
+            v_cache,
+            cu_seqlens_q[: num_first + 1],
+            first_indptr,
+            first_indices,
+            scale,
+            sliding_window,
+        )
+        rest = paged_attention(
+            query[split:],
+            k_cache,
+            v_cache,
+            cu_seqlens_q[num_first:] - split,
+            kv_indptr,
+            kv_indices,
+            scale,
+            sliding_window,
+        )
+        return torch.cat([first[0], rest[0]]), torch.cat([first[1], rest[1]])
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads:
@@ -106,13 +152,17 @@ def attention_mass(
     lse: torch.Tensor,
     scale: float,
     num_scored_queries: torch.Tensor,
+    *,
+    max_scored: int | None = None,
+    max_kv_len: int | None = None,
 ) -> torch.Tensor:
     """Exact attention probability of every list entry, averaged over queries and each GQA group's heads.
 
     For request ``b`` the last ``num_scored_queries[b]`` query tokens are scored (0 = not scored, its
     entries stay 0); probabilities are rematerialised from the logits and the ``lse`` the attention pass
     returned, ``exp(q.k * scale - lse)``, with the same causal mask. Shared lists only (``kv_indices`` of
-    shape ``[N]``). Returns ``[num_kv_heads, N]`` fp32, aligned with ``kv_indices``.
+    shape ``[N]``). Returns ``[num_kv_heads, N]`` fp32, aligned with ``kv_indices``. ``max_scored`` and
+    ``max_kv_len`` are launch hints for the kernels, unused here.
     """
     num_kv_heads = k_cache.shape[1]
     num_heads, head_dim = query.shape[1], query.shape[2]

@@ -13,7 +13,7 @@ import torch
 
 from torchspec import sparsespec
 from torchspec.causal_lm import RequestOutput, SparseSpecForCausalLM
-from torchspec.config import DRAFT_POLICIES
+from torchspec.config import DEFAULT_DRAFT, DRAFT_POLICIES
 from torchspec.models import DEFAULT_MODEL_NAME, load_model
 from torchspec.workloads import chat_token_ids, read_prompts
 
@@ -55,7 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_at_least(0.0, float), default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--draft", default="none", choices=["none", *DRAFT_POLICIES], help="draft policy")
+    gen.add_argument(
+        "--draft",
+        default=DEFAULT_DRAFT,
+        choices=["none", *DRAFT_POLICIES],
+        help=f"draft policy, or none for plain decoding (default: {DEFAULT_DRAFT})",
+    )
     gen.add_argument("--max-batch-size", type=int, default=256)
     gen.add_argument("--system", help="system message for the chat template")
     gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")

@@ -6,8 +6,21 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from attention import BACKENDS
+
 #: Draft policies (registered in ``torchspec.drafting``); ``None`` decodes without speculation.
-DRAFT_POLICIES: tuple[str, ...] = ("pillar", "streaming", "ngram", "quest", "sparsespec_l", "oracle")
+DRAFT_POLICIES: tuple[str, ...] = (
+    "pillar_recent",
+    "pillar",
+    "streaming",
+    "ngram",
+    "quest",
+    "sparsespec_l",
+    "oracle",
+    "pillar_quest",
+)
+#: The default draft: the best real policy measured on the embedded model (docs/acceptance.md).
+DEFAULT_DRAFT = "pillar_recent"
 
 
 @dataclass(frozen=True)
@@ -15,26 +28,33 @@ class SpecConfig:
     """Configuration of a :class:`~torchspec.SparseSpecForCausalLM`.
 
     Attributes:
-        draft: draft policy name, or ``None`` to decode without speculation.
+        draft: draft policy name (default ``"pillar_recent"``: PillarAttn's Top-K plus a recent window and
+            successor expansion, the best real draft measured on SmolLM2), or ``None`` to decode without
+            speculation.
         k: draft tokens per speculation round.
         sparsity: fraction of a request's KV cache a sparse draft step attends to.
         min_budget: lower bound on the number of KV tokens a sparse draft step attends to.
         num_sinks: first tokens (attention sinks) that streaming-style drafts always attend to.
         recent_window: latest tokens before the verify that PillarAttn drafts always attend to, on top of
-            the tokens written since (0 = the paper's selection: Top-K decides everything older).
+            the tokens written since (0 = the policy's own: none for the paper's ``pillar``, 64 for
+            ``pillar_recent``, ``sparsespec_l`` and ``pillar_quest``).
         successors: PillarAttn also takes the next ``successors`` positions after each Top-K pick, within the
-            same budget (copy/induction attention moves forward with the query; 0 = the paper's selection).
+            same budget (copy/induction attention moves forward with the query; 0 = the policy's own: none
+            for ``pillar``, 4 for ``pillar_recent``).
         max_batch_size: most requests decoded together.
         kv_capacity_tokens: KV slots in the pool; ``None`` sizes the pool from free device memory.
         max_step_tokens: most query tokens in one forward step (bounds prefill chunks).
         offload: offload KV of waiting requests to host memory when the pool is full.
         delayed_verify: let verify requests sit out one step so host bookkeeping overlaps the GPU.
         unified_schedule: mix draft and verify requests in every step (phase buckets).
-        compile: ``torch.compile`` the model forward; ``None`` = on where it pays (CUDA).
+        compile: ``torch.compile`` the model forward (attention stays one opaque custom op per layer);
+            ``None`` = off until its speed-up is measured (then: on where it pays).
         cuda_graphs: capture CUDA graphs for padded step sizes; ``None`` = on where available (CUDA).
+        attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device) or
+            ``"auto"`` (Triton on CUDA, the reference elsewhere).
     """
 
-    draft: str | None = None
+    draft: str | None = DEFAULT_DRAFT
     k: int = 8
     sparsity: float = 0.05
     min_budget: int = 128
@@ -49,6 +69,7 @@ class SpecConfig:
     unified_schedule: bool = True
     compile: bool | None = None
     cuda_graphs: bool | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.draft is not None and self.draft not in DRAFT_POLICIES:
@@ -77,11 +98,15 @@ class SpecConfig:
             _is_int(self.max_step_tokens) and self.max_step_tokens >= 1,
             f"max_step_tokens must be an integer >= 1, got {self.max_step_tokens!r}",
         )
+        _require(
+            self.attention_backend in BACKENDS,
+            f"attention_backend must be one of {list(BACKENDS)}, got {self.attention_backend!r}",
+        )
         for name in ("offload", "delayed_verify", "unified_schedule"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")
         for name in ("compile", "cuda_graphs"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")
-        for name in ("offload", "compile", "cuda_graphs"):
+        for name in ("offload", "cuda_graphs"):
             _require(
                 not getattr(self, name),
                 f"{name}=True is not available in this release; leave it at its default",

@@ -42,7 +42,10 @@ class Engine:
         )
         self.pool = KVPool(layers, capacity, self.dtype, self.device)
         self.policy = make_policy(config, layers)
-        self.runner = Runner(model, self.pool, layers, attention.reference, self.device, self.policy, generator)
+        ops = attention.load_ops(config.attention_backend, self.device)
+        self.runner = Runner(
+            model, self.pool, layers, ops, self.device, self.policy, generator, compile_model=bool(config.compile)
+        )
         self.num_draft_slots = config.k if self.policy is not None else 0
         self._run_start = time.perf_counter()
         self._run_steps = 0

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from attention.reference import FirstLists
 from torchspec.kv_cache import KVPool, LayerSpec
 
 ATTENTION_NAME = "torchspec"
@@ -32,6 +33,7 @@ class KVView:
 
     kv_indptr: torch.Tensor  # [B + 1]
     kv_indices: torch.Tensor  # [N], or [num_kv_heads, N] for per-head lists
+    max_len: int = 0  # longest list (a launch hint for the kernels, known on the host)
 
 
 @dataclass
@@ -53,11 +55,12 @@ class AttentionMetadata:
     # Query-aware drafts pick their lists inside attention: (layer, draft queries, K cache, scale) -> lists.
     draft_select: Callable[[int, torch.Tensor, torch.Tensor, float], KVView] | None = None
     num_scored_queries: torch.Tensor | None = None  # [B - num_drafts]; 0 = not scored
+    max_q_len: int = 0  # longest query of a request (a launch hint, known on the host)
+    max_scored_queries: int = 0
     mass: dict[int, torch.Tensor] = field(default_factory=dict)  # filled by the forward: [Hkv, N of full]
 
     def __post_init__(self) -> None:
         self.cu_seqlens_q_full = self.cu_seqlens_q[self.num_drafts :] - self.num_drafts
-        self.cu_seqlens_q_draft = self.cu_seqlens_q[: self.num_drafts + 1]
 
 
 class AttentionContext(Protocol):
@@ -83,42 +86,73 @@ class PagedForwardContext:
     ops: ModuleType
 
     def attend(self, module, query, key, value, attention_mask, scaling, sliding_window, extra_kwargs):
-        layer, meta, ops = module.layer_idx, self.metadata, self.ops
+        # One opaque op per layer: a compiled forward never traces (or guards on) this step's metadata.
+        return torch.ops.torchspec.attend(query, key, value, module.layer_idx, scaling, sliding_window)
+
+    def attend_layer(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Store the layer's new K/V (``[1, Hkv, T, D]``) and attend with ``query`` (``[1, H, T, D]``); returns
+        ``[T, H, D]``."""
+        meta, ops = self.metadata, self.ops
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         ops.store_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
         query = query[0].transpose(0, 1)
         if sliding_window is not None:
             view = meta.windowed[sliding_window]
             return ops.paged_attention(
-                query, k_cache, v_cache, meta.cu_seqlens_q, view.kv_indptr, view.kv_indices, scaling, sliding_window
+                query,
+                k_cache,
+                v_cache,
+                meta.cu_seqlens_q,
+                view.kv_indptr,
+                view.kv_indices,
+                scaling,
+                sliding_window,
+                max_q_len=meta.max_q_len,
+                max_kv_len=view.max_len,
             )[0]
-        drafts = meta.num_drafts
-        full_query = query[drafts:]
+        drafts, first_lists = meta.num_drafts, None
+        if drafts:
+            # Draft requests (one token each) read their sparse lists in the same launch as the others.
+            view = (
+                meta.draft[layer]
+                if meta.draft_select is None
+                else meta.draft_select(layer, query[:drafts], k_cache, scaling)
+            )
+            first_lists = FirstLists(drafts, view.kv_indptr, view.kv_indices, max_q_len=1, max_kv_len=view.max_len)
         out, lse = ops.paged_attention(
-            full_query, k_cache, v_cache, meta.cu_seqlens_q_full, meta.full.kv_indptr, meta.full.kv_indices, scaling
+            query,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.full.kv_indptr,
+            meta.full.kv_indices,
+            scaling,
+            max_q_len=meta.max_q_len,
+            max_kv_len=meta.full.max_len,
+            first_lists=first_lists,
         )
         if meta.num_scored_queries is not None:
             meta.mass[layer] = ops.attention_mass(
-                full_query,
+                query[drafts:],
                 k_cache,
                 meta.cu_seqlens_q_full,
                 meta.full.kv_indptr,
                 meta.full.kv_indices,
-                lse,
+                lse[drafts:],
                 scaling,
                 meta.num_scored_queries,
+                max_scored=meta.max_scored_queries,
+                max_kv_len=meta.full.max_len,
             )
-        if drafts == 0:
-            return out
-        view = (
-            meta.draft[layer]
-            if meta.draft_select is None
-            else meta.draft_select(layer, query[:drafts], k_cache, scaling)
-        )
-        draft_out, _ = ops.paged_attention(
-            query[:drafts], k_cache, v_cache, meta.cu_seqlens_q_draft, view.kv_indptr, view.kv_indices, scaling
-        )
-        return torch.cat([draft_out, out])
+        return out
 
 
 _active_context: AttentionContext | None = None
@@ -133,6 +167,28 @@ def forward_context(context: AttentionContext) -> Iterator[None]:
         yield
     finally:
         _active_context = previous
+
+
+@torch.library.custom_op("torchspec::attend", mutates_args=())
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """A layer's attention in an engine step (it also writes the layer's K/V into the pool, which is not an
+    argument: the op must never be reordered across layers' ops that read it, and is not, since each layer
+    reads only its own pool tensor after writing it in the same op)."""
+    if not isinstance(_active_context, PagedForwardContext):
+        raise RuntimeError("torchspec::attend runs only inside an engine step")
+    return _active_context.attend_layer(layer, query, key, value, scaling, sliding_window)
+
+
+@_attend.register_fake
+def _(query, key, value, layer, scaling, sliding_window):
+    return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
 
 
 def paged_attention_forward(

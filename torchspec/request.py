@@ -60,6 +60,9 @@ class DraftRound:
     pattern: Any = None  # the draft policy's state, e.g. PillarAttn's Top-K positions per (layer, KV head)
     recent_start: int = 0  # first position written since the last verify: every draft step attends to it on
     entropies: list[float] = field(default_factory=list)  # each draft's predictive entropy (when a policy asks)
+    # Per sparse layer: what a query-aware policy chose at the round's first draft step, reused by the round's
+    # later drafts (PillarQuest's older positions); a new round starts with none.
+    selections: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass

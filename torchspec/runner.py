@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -27,8 +28,11 @@ class Runner:
         device: torch.device,
         policy: DraftPolicy | None = None,
         generator: torch.Generator | None = None,
+        compile_model: bool = False,
     ) -> None:
         self.model = model
+        # Dynamic shapes: the packed token count changes every step; attention is one opaque op per layer.
+        self.forward = torch.compile(model, dynamic=True) if compile_model else model
         self.pool = pool
         self.ops = ops
         self.device = device
@@ -67,14 +71,20 @@ class Runner:
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping),
             cu_seqlens_q=self._tensor(cu_seqlens_q),
-            windowed={w: KVView(self._tensor(p), self._tensor(i)) for w, (p, i) in windowed.items()},
-            full=KVView(self._tensor(full[0]), self._tensor(full[1])),
+            windowed={w: self._view(p, i) for w, (p, i) in windowed.items()},
+            full=self._view(*full),
             num_drafts=num_drafts,
             draft=self._draft_views(plan.scheduled[:num_drafts]),
             draft_select=self._draft_selector(plan.scheduled[:num_drafts]),
             num_scored_queries=None if not any(scored) else self._tensor(scored),
+            max_q_len=max(item.num_query_tokens for item in plan.scheduled),
+            max_scored_queries=max(scored, default=0),
         )
         return self._tensor(input_ids)[None], self._tensor(positions)[None], metadata
+
+    def _view(self, indptr: Sequence[int], indices: Sequence[int]) -> KVView:
+        lengths = [end - start for start, end in itertools.pairwise(indptr)]
+        return KVView(self._tensor(indptr), self._tensor(indices), max(lengths, default=0))
 
     def _scored_queries(self, items: Sequence[ScheduledRequest]) -> list[int]:
         """Trailing queries whose attention mass the policy learns from: all queries of a verify, the last
@@ -85,25 +95,32 @@ class Runner:
         return [min(item.num_query_tokens, k_plus_1) if item.samples else 0 for item in items]
 
     def _draft_views(self, items: Sequence[ScheduledRequest]) -> dict[int, KVView]:
-        """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots)."""
+        """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots).
+
+        Built for all layers at once (one gather per request, one host-to-device copy per step): per-layer
+        work here would cost more host time than the draft step's attention."""
         if not items or self.policy.selects_in_attention:
             return {}
-        per_request = [self.policy.draft_positions(item.request, item.first_position) for item in items]
-        views = {}
-        for i, layer in enumerate(self.policy.sparse_layers):
-            heads = self.num_kv_heads[layer]
-            positions = [p.expand(heads, -1) if p.dim() == 1 else p[i] for p in per_request]
-            views[layer] = self._per_head_view(items, positions)
-        return views
+        num_layers, num_heads = len(self.policy.sparse_layers), self.policy.num_kv_heads
+        positions = []
+        for item in items:
+            chosen = self.policy.draft_positions(item.request, item.first_position)
+            positions.append(chosen.expand(num_layers, num_heads, -1) if chosen.dim() == 1 else chosen)
+        view = self._per_head_view(items, positions)  # lists [layers, Hkv, N]
+        return {
+            layer: KVView(view.kv_indptr, view.kv_indices[i, : self.num_kv_heads[layer]], view.max_len)
+            for i, layer in enumerate(self.policy.sparse_layers)
+        }
 
     def _per_head_view(self, items: Sequence[ScheduledRequest], positions: Sequence[torch.Tensor]) -> KVView:
-        """Per-KV-head slot lists from per-head positions (``[Hkv, n]`` each; -1 stays padding)."""
+        """Per-KV-head slot lists from per-head positions (``[..., Hkv, n]`` each; -1 stays padding)."""
         lists, indptr = [], [0]
         for item, chosen in zip(items, positions, strict=True):
             slots = torch.tensor(item.request.slots[: item.first_position + 1], device=chosen.device)
             lists.append(torch.where(chosen >= 0, slots[chosen.clamp(min=0)], -1))
             indptr.append(indptr[-1] + chosen.shape[-1])
-        return KVView(self._tensor(indptr), torch.cat(lists, dim=-1).to(self.device))
+        max_len = max(p.shape[-1] for p in positions)
+        return KVView(self._tensor(indptr), torch.cat(lists, dim=-1).to(self.device), max_len)
 
     def _draft_selector(self, items: Sequence[ScheduledRequest]):
         """For query-aware policies: pick each draft request's lists from the layer's own draft queries."""
@@ -114,11 +131,10 @@ class Runner:
             positions = []
             for item, query in zip(items, queries, strict=True):
                 slots = self._tensor(item.request.slots[: item.first_position + 1])
-                positions.append(
-                    self.policy.select_positions(item.request, item.first_position, query, k_cache[slots], scale).to(
-                        self.device
-                    )
+                chosen = self.policy.select_positions(
+                    item.request, item.first_position, layer, query, k_cache[slots], scale
                 )
+                positions.append(chosen.to(self.device))
             return self._per_head_view(items, positions)
 
         return select
@@ -136,7 +152,7 @@ class Runner:
                 rows.extend(range(end - count, end))
         context = PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)
         with forward_context(context):
-            output = self.model(
+            output = self.forward(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=self._tensor(rows)
             )
         self._learn_from_verify(plan, metadata)
@@ -153,8 +169,10 @@ class Runner:
                 continue
             first_query = item.first_position + item.num_query_tokens - (int(scored[j]) or item.num_query_tokens)
             mass = None
-            if int(scored[j]):
-                mass = [metadata.mass[layer][:, indptr[j] : indptr[j + 1]].cpu() for layer in self.policy.sparse_layers]
+            if int(scored[j]) and self.policy.sparse_layers:  # [layers, Hkv, context], stays on the device
+                mass = torch.stack(
+                    [metadata.mass[layer][:, indptr[j] : indptr[j + 1]] for layer in self.policy.sparse_layers]
+                )
             self.policy.on_verify(item.request, mass, first_query)
 
     def _select(self, plan: StepPlan, logits: torch.Tensor, first_row: list[int]) -> list[StepResult]:

@@ -96,7 +96,7 @@ def hf_model() -> torch.nn.Module:
 @pytest.fixture
 def model(hf_model: torch.nn.Module) -> Iterator[Any]:
     """The wrapped tiny model; after the test, every KV slot must be free again."""
-    wrapped = sparsespec.wrap(hf_model, kv_capacity_tokens=KV_CAPACITY)
+    wrapped = sparsespec.wrap(hf_model, draft=None, kv_capacity_tokens=KV_CAPACITY)
     yield wrapped
     _assert_no_slot_leak(wrapped)
 
@@ -140,7 +140,7 @@ def test_prompt_filling_the_context_is_accepted(model: Any) -> None:
 def test_request_larger_than_kv_pool(hf_model: torch.nn.Module) -> None:
     """A request that can never fit the KV pool (prompt + max_new_tokens > capacity) is refused up front with
     the numbers and the two ways out, instead of waiting forever for slots; one that fits exactly runs."""
-    model = sparsespec.wrap(hf_model, kv_capacity_tokens=16)
+    model = sparsespec.wrap(hf_model, draft=None, kv_capacity_tokens=16)
     message = r"needs up to 17 KV slots \(prompt 10 \+ max_new_tokens 7\) but the pool holds 16.*max_new_tokens.*"
     message += "kv_capacity_tokens"
     with pytest.raises(ValueError, match="batch row 0: the request " + message):
@@ -247,7 +247,7 @@ def test_generate_batch_isolates_bad_prompts(hf_model: torch.nn.Module) -> None:
     """Bad prompts mixed into a batch fail alone: each gets its own message, the good ones complete with the
     tokens they get when run alone, and no KV slot leaks. A small pool and batch limit make the good requests
     queue, so admission runs around the failed ones."""
-    model = sparsespec.wrap(hf_model, kv_capacity_tokens=48, max_batch_size=2)
+    model = sparsespec.wrap(hf_model, draft=None, kv_capacity_tokens=48, max_batch_size=2)
     max_new_tokens = 16
     good = {0: _prompt(5, seed=1), 2: _prompt(9, seed=2), 8: _prompt(3, seed=3), 9: _prompt(12, seed=4)}
     bad = {
@@ -287,7 +287,7 @@ def test_failed_generate_leaves_wrapper_usable(model: Any) -> None:
     with pytest.raises(ValueError, match="batch row 2"):
         model.generate(**_left_padded([_prompt(5), _prompt(7, seed=1), [VOCAB_SIZE + 3]]), max_new_tokens=4)
     _assert_no_slot_leak(model)
-    fresh = sparsespec.wrap(model.model, kv_capacity_tokens=KV_CAPACITY)
+    fresh = sparsespec.wrap(model.model, draft=None, kv_capacity_tokens=KV_CAPACITY)
     expected = fresh.generate(**batch, max_new_tokens=MAX_NEW_TOKENS)
     assert torch.equal(model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS), expected)
 

@@ -10,8 +10,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_parity_harness_compares_real_generations():
-    """fp32 on CPU: the harness reports every row identical, with timings for both sides."""
-    result = compare(None, "float32", "cpu", num_prompts=2, max_new_tokens=8)
-    assert result["identical"] and result["rows_identical"] == 2 and result["rows_first_8_equal"] == 2
-    assert result["transformers_s"] > 0 and result["torchspec_s"] > 0
-    assert result["torchspec_stats"].startswith("2 requests")
+    """fp32 on CPU: the harness reports every row identical for each backend, with timings for every side."""
+    result = compare(None, "float32", "cpu", num_prompts=2, max_new_tokens=8, backends=("reference", "auto"))
+    assert result["transformers_s"] > 0
+    for backend in ("reference", "auto"):
+        run = result[backend]
+        assert run["identical"] and run["rows_identical"] == 2 and run["rows_first_8_equal"] == 2
+        assert run["seconds"] > 0 and run["stats"].startswith("2 requests")
+    assert result["auto"]["vs_reference"] == {"rows_identical": 2, "rows_first_8_equal": 2}

@@ -25,7 +25,8 @@ from torchspec import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = re.compile(
-    r"^\d+ requests(, \d+ failed)?: \d+ prompt \+ \d+ generated tokens in [\d.]+ s \(\d+ steps\), [\d.]+ tok/s$"
+    r"^\d+ requests(, \d+ failed)?: \d+ prompt \+ \d+ generated tokens in [\d.]+ s \(\d+ steps\), [\d.]+ tok/s"
+    r"(, mean accepted [\d.]+ of [\d.]+ drafted)?$"
 )
 
 

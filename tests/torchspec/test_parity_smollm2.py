@@ -34,7 +34,7 @@ def test_greedy_batch_matches_transformers(smollm2, batch, lengths):
     """Left-padded batch, 64+ new tokens: same tensor as HF generate, with and without rows stopping at EOS."""
     model, _ = smollm2
     expected = model.generate(**batch, do_sample=False, **lengths)
-    wrapped = sparsespec.wrap(model, max_step_tokens=256)
+    wrapped = sparsespec.wrap(model, draft=None, max_step_tokens=256)
     actual = wrapped.generate(**batch, do_sample=False, **lengths)
     assert torch.equal(actual, expected)
     eos = model.generation_config.eos_token_id

@@ -105,7 +105,9 @@ def _run(
     spec: TinyModelSpec, batch: Batch, wrap_options: dict[str, Any] | None = None, **generate_kwargs: Any
 ) -> tuple[Any, torch.Tensor]:
     """(wrapper, output) of the engine on a fresh model of ``spec``, greedy, MAX_NEW_TOKENS new tokens."""
-    wrapped = sparsespec.wrap(spec.build(), **({"kv_capacity_tokens": KV_CAPACITY} | (wrap_options or {})))
+    wrapped = sparsespec.wrap(
+        spec.build(), **({"kv_capacity_tokens": KV_CAPACITY, "draft": None} | (wrap_options or {}))
+    )
     output = wrapped.generate(**batch.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **generate_kwargs)
     return wrapped, output
 
@@ -177,7 +179,7 @@ def test_chunked_prefill_and_continuous_batching(spec, options, hf_reference, mo
     """Prompt chunks mixed with other requests' decode steps, and requests waiting for a batch place,
     give the same tokens as one unchunked batch in transformers."""
     expected = hf_reference(spec, BATCH, max_new_tokens=MAX_NEW_TOKENS)
-    wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=KV_CAPACITY, **options)
+    wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=KV_CAPACITY, **({"draft": None} | options))
     plans = PlanRecorder(wrapped, monkeypatch)
     actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     assert_same_tokens(expected, actual, spec, BATCH)
@@ -246,7 +248,7 @@ def test_kv_capacity_below_batch_need(spec, capacity, hf_reference, monkeypatch)
     wait for slots instead of failing; output unchanged, no slot leaked, and the pool is reusable."""
     assert LARGEST_NEED <= capacity < TOTAL_NEED
     expected = hf_reference(spec, BATCH, max_new_tokens=MAX_NEW_TOKENS)
-    wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=capacity)
+    wrapped = sparsespec.wrap(spec.build(), draft=None, kv_capacity_tokens=capacity)
     plans = PlanRecorder(wrapped, monkeypatch)
     for _ in range(2):  # the second call reuses slots written by the first
         actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
@@ -281,7 +283,7 @@ def test_generate_batch_matches_padded_generate(spec, options, hf_reference, eos
     spec = eos_spec(spec, batch)
     eos = dict(spec.overrides)["eos_token_id"]
     expected_rows = generated_rows(hf_reference(spec, batch, max_new_tokens=MAX_NEW_TOKENS), batch, [eos])
-    wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=KV_CAPACITY, **options)
+    wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=KV_CAPACITY, **({"draft": None} | options))
     outputs = wrapped.generate_batch(batch.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
     assert [o.index for o in outputs] == list(range(len(batch.lengths)))
     assert [o.prompt_ids for o in outputs] == batch.prompts

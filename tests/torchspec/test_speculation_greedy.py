@@ -31,6 +31,7 @@ from torchspec import SpecConfig, sparsespec
 from torchspec.config import DRAFT_POLICIES
 from torchspec.drafting import POLICIES
 from torchspec.drafting.pillar import PillarPolicy
+from torchspec.drafting.pillar_quest import PillarQuestPolicy
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request, SamplingParams
 from torchspec.scheduler import Phase, StepPlan, StepResult
@@ -179,7 +180,7 @@ def baseline():
     def run(spec: TinyModelSpec, batch: Batch, **kwargs: Any) -> torch.Tensor:
         key = (spec, batch, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items())))
         if key not in cache:
-            wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=KV_CAPACITY)
+            wrapped = sparsespec.wrap(spec.build(), draft=None, kv_capacity_tokens=KV_CAPACITY)
             cache[key] = wrapped.generate(**batch.kwargs(), do_sample=False, **_lengths(kwargs))
             stats = wrapped.last_stats
             assert (stats.num_rounds, stats.num_draft_tokens, stats.num_accepted_tokens) == (0, 0, 0)
@@ -538,7 +539,7 @@ def test_pillar_pattern_is_top_k_of_the_verify_mass(spec, monkeypatch):
     events: list[Any] = []
     on_verify, draft_positions = policy.on_verify, policy.draft_positions
 
-    def spy_verify(request: Request, mass: Sequence[torch.Tensor], first_query: int) -> None:
+    def spy_verify(request: Request, mass: torch.Tensor, first_query: int) -> None:
         on_verify(request, mass, first_query)
         state = request.round
         events.append(PillarVerify(request.request_id, list(mass), first_query, state.pattern, state.recent_start))
@@ -640,7 +641,7 @@ def test_pillar_top_k_of_a_synthetic_mass():
         mass[layer][head, positions] += 5.0
     for layer_mass in mass:
         layer_mass[:, first_query:] += 100.0  # heaviest of all, but not candidates
-    policy.on_verify(request, mass, first_query)
+    policy.on_verify(request, torch.stack(mass), first_query)
     assert policy.budget(context) == 10  # ceil(0.1 * 100)
     expected = torch.tensor([[PLANTED[layer, head] for head in range(2)] for layer in range(2)])
     assert torch.equal(request.round.pattern, expected)
@@ -656,7 +657,7 @@ def test_pillar_budget_covering_older_positions_keeps_them_all():
     policy = _pillar(k=4, min_budget=200)
     request = _request()
     mass = [torch.rand(2, 100) for _ in policy.sparse_layers]
-    policy.on_verify(request, mass, 95)
+    policy.on_verify(request, torch.stack(mass), 95)
     assert torch.equal(request.round.pattern, torch.arange(95))
     assert torch.equal(policy.draft_positions(request, 98), torch.arange(99))
 
@@ -666,9 +667,117 @@ def test_pillar_budget_below_the_verify_queries_keeps_only_recent_positions():
     was written since the verify (never a negative Top-K)."""
     policy = _pillar(k=8, min_budget=8, sparsity=0.01)
     request = _request()
-    policy.on_verify(request, [torch.rand(2, 100) for _ in policy.sparse_layers], 91)
+    policy.on_verify(request, torch.rand(len(policy.sparse_layers), 2, 100), 91)
     assert request.round.pattern.shape == (2, 2, 0)
     assert torch.equal(policy.draft_positions(request, 93), torch.arange(91, 94).expand(2, 2, -1))
+
+
+def test_default_draft_is_pillar_recent_with_window_and_successors():
+    """The default draft is PillarAttn with a 64-token recent window and 4 successors per pick (the best real
+    draft measured, docs/acceptance.md); explicit values override its defaults; `pillar` stays the paper's."""
+    assert SpecConfig().draft == "pillar_recent"
+    layers = _layer_specs([None, 8, None])
+    default = POLICIES["pillar_recent"](SpecConfig(), layers)
+    assert (default.window, default.successors) == (64, 4)
+    tuned = POLICIES["pillar_recent"](SpecConfig(recent_window=16, successors=1), layers)
+    assert (tuned.window, tuned.successors) == (16, 1)
+    paper = _pillar()
+    assert (paper.window, paper.successors) == (0, 0)
+
+
+def test_pillar_recent_pattern_within_budget():
+    """Budget 128 at context 1000: the 64-token window and the k + 1 verify queries are read anyway, the rest
+    (128 - 64 - 5 = 59) goes to Top-K picks with their 4 successors: 11 picks of 5 positions, each pick one of
+    the most-attended positions; a small budget shrinks the window to half of it instead of exceeding it."""
+    policy = POLICIES["pillar_recent"](SpecConfig(k=4), _layer_specs([None, 8, None]))
+    request = _request(1000)
+    mass = torch.rand(2, 2, 1000, generator=torch.Generator().manual_seed(0))
+    mass[:, :, 995:] += 10.0  # the verify's own queries: never candidates
+    policy.on_verify(request, mass, 995)
+    assert request.round.recent_start == 995 - 64
+    pattern = request.round.pattern
+    assert pattern.shape == (2, 2, 55)
+    top = mass[..., :931].topk(11, dim=-1).indices
+    for layer in range(2):
+        for head in range(2):
+            expected = {p + j for p in top[layer, head].tolist() for j in range(5) if p + j < 931}
+            row = pattern[layer, head]
+            assert set(row[row >= 0].tolist()) == expected
+    assert policy.draft_positions(request, 996).shape[-1] <= 128 + 1
+    small = POLICIES["pillar_recent"](SpecConfig(k=4, min_budget=32, sparsity=0.01), _layer_specs([None]))
+    request = _request(300)
+    small.on_verify(request, torch.rand(1, 2, 300), 295)
+    assert request.round.recent_start == 295 - 16  # the window shrank to half the budget
+    assert small.draft_positions(request, 295).shape[-1] <= 32
+
+
+# -- PillarQuest: half verify Top-K, half Quest pages of the round's first draft query --------------------------
+def test_pillar_quest_pages_come_from_the_first_draft_query_of_the_round():
+    """The verify Top-K takes half of the older budget; the round's first draft query then adds the whole Quest
+    pages of largest bound that fit the rest (counting only positions not already taken), per layer; later
+    drafts of the round reuse that choice even with another query, and the next round chooses afresh. Rows are
+    sorted, without repeats, -1-padded to one length, within budget, and end with the recent positions."""
+    policy = PillarQuestPolicy(
+        SpecConfig(draft="pillar_quest", k=4, num_sinks=2, recent_window=3, min_budget=72, sparsity=0.01),
+        _layer_specs([None, 8, None]),
+    )
+    request = _request(104)
+    context, first_query = 104, 99  # queries 99..103; the recent window 96..98; older positions 0..95
+    # Older budget 72 - 8 - 2 sinks = 62: the verify Top-K takes 31 per head (2..31 and one planted pick).
+    planted = {0: [*range(2, 32), 50], 1: [*range(2, 32), 70]}
+    mass = [torch.rand(2, context, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for layer_mass in mass:
+        for head, picks in planted.items():
+            layer_mass[head, picks] += 5.0
+        layer_mass[:, 96:] += 100.0  # recent: read anyway, never candidates
+    policy.on_verify(request, torch.stack(mass), first_query)
+    verify_pattern = torch.tensor([[[0, 1, *planted[head]] for head in range(2)]] * 2)
+    assert torch.equal(request.round.pattern, verify_pattern)
+    assert request.round.recent_start == 96
+    # Page 3 (48..63) has the largest bound for queries along dimension 0, page 5 (80..95) along dimension 1.
+    keys = 0.01 * torch.randn(110, 2, 16, generator=torch.Generator().manual_seed(2))
+    keys[48:64, :, 0] = 5.0
+    keys[80:96, :, 1] = 5.0
+    first, other = torch.zeros(4, 16), torch.zeros(4, 16)
+    first[:, 0] = other[:, 1] = 10.0
+
+    def expected(position: int, pages: Sequence[range]) -> torch.Tensor:
+        rows = [sorted({0, 1, *planted[head], *(p for page in pages for p in page)}) for head in range(2)]
+        width = max(map(len, rows))
+        return torch.tensor([[-1] * (width - len(row)) + row + list(range(96, position + 1)) for row in rows])
+
+    def select(position: int, layer: int, query: torch.Tensor) -> torch.Tensor:
+        positions = policy.select_positions(request, position, layer, query, keys[: position + 1], 0.25)
+        for row in positions:
+            valid = row[row >= 0]
+            assert bool((valid.diff() > 0).all()) and int(valid[-1]) == position
+            assert len(valid) <= policy.budget(position + 1)
+        return positions
+
+    # Room for Quest: 72 - 9 recent - 33 taken = 30, so one page (head 0: 15 new positions, 50 is taken).
+    assert torch.equal(select(104, 0, first), expected(104, [range(48, 64)]))
+    assert torch.equal(select(104, 2, other), expected(104, [range(80, 96)]))  # per layer, its own query
+    assert torch.equal(select(105, 0, other), expected(105, [range(48, 64)]))  # reused by the next draft
+    policy.on_verify(request, torch.stack(mass), first_query)  # a new round
+    assert request.round.selections == {}
+    assert torch.equal(select(104, 0, other), expected(104, [range(80, 96)]))
+
+
+def test_pillar_quest_with_room_for_pages_is_lossless(baseline, monkeypatch):
+    """With a 1-token recent window the budget leaves room for Quest pages (the default 64-token window fills
+    the small budgets above): output is draft=None's, and drafts read positions the verify Top-K did not pick."""
+    expected = baseline(GQA, BATCH)
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft="pillar_quest", k=4, recent_window=1, **MEDIUM)
+    actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    _rows_equal(expected, actual, "pillar_quest recent_window=1")
+    check_bookkeeping(wrapped, recorder)
+    check_rounds_happened(wrapped, recorder)
+    from_pages = 0
+    for call in recorder.draft_calls:
+        if call.pattern.dim() == 3:
+            older = call.positions[(call.positions >= 0) & (call.positions < call.recent_start)]
+            from_pages += int((~torch.isin(older, call.pattern)).sum())
+    assert from_pages > 0, "no draft read a Quest page"
 
 
 # -- 5. bad options ------------------------------------------------------------------------------------------
@@ -737,7 +846,7 @@ def smollm2_reasoning(smollm2) -> tuple[list[list[int]], list[list[int]]]:
     """(prompts, draft=None's greedy tokens) for two chat-templated reasoning prompts, computed once."""
     model, tokenizer = smollm2
     prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=2)]
-    wrapped = sparsespec.wrap(model, kv_capacity_tokens=SMOLLM2_OPTIONS["kv_capacity_tokens"])
+    wrapped = sparsespec.wrap(model, draft=None, kv_capacity_tokens=SMOLLM2_OPTIONS["kv_capacity_tokens"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in single_thread (a module fixture runs before it): far faster on a busy CPU
     try:

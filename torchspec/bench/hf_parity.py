@@ -2,7 +2,9 @@
 
 ``python -m torchspec.bench.hf_parity --device cuda --dtype bfloat16 --prompts 16 --max-new-tokens 128``
 prints and writes (``--out``) how many rows are identical, how many agree on their first 64 new tokens,
-and both wall times. fp32 must be identical; bf16 rounds differently in every kernel, so rows may drift.
+and the wall times, for each attention backend (``--backends``, default: the device's own and, on CUDA, the
+reference too) against transformers and against the first backend. fp32 must be identical; bf16 rounds
+differently in every kernel, so rows may drift.
 """
 
 from __future__ import annotations
@@ -13,32 +15,16 @@ import time
 
 import torch
 
+from attention import BACKENDS
 from torchspec import sparsespec
+from torchspec.config import DRAFT_POLICIES
 from torchspec.models import load_model
 from torchspec.workloads import chat_token_ids, read_prompts
 
 
-def compare(model_path: str | None, dtype: str, device: str, num_prompts: int, max_new_tokens: int) -> dict:
-    hf_model, tokenizer = load_model(model_path, dtype=dtype, device=device)
-    prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=num_prompts)]
-    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(device)
-    timings = {}
-    start = time.perf_counter()
-    expected = hf_model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
-    timings["transformers_s"] = time.perf_counter() - start
-    model = sparsespec.wrap(hf_model, tokenizer=tokenizer)
-    start = time.perf_counter()
-    actual = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
-    timings["torchspec_s"] = time.perf_counter() - start
-    width = batch["input_ids"].shape[1]
-    head = min(64, max_new_tokens)
+def _agreement(expected: torch.Tensor, actual: torch.Tensor, width: int, head: int) -> dict:
+    """Rows identical (over the expected length) and rows equal on their first ``head`` new tokens."""
     return {
-        "dtype": dtype,
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-        "torch": torch.__version__,
-        "rows": len(prompts),
-        "max_new_tokens": max_new_tokens,
-        "identical": bool(torch.equal(expected, actual)),
         "rows_identical": sum(
             bool(torch.equal(e, a)) for e, a in zip(expected, actual[:, : expected.shape[1]], strict=True)
         ),
@@ -46,9 +32,52 @@ def compare(model_path: str | None, dtype: str, device: str, num_prompts: int, m
             bool(torch.equal(e[width : width + head], a[width : width + head]))
             for e, a in zip(expected, actual, strict=True)
         ),
-        **timings,
-        "torchspec_stats": model.last_stats.summary(),
     }
+
+
+def compare(
+    model_path: str | None,
+    dtype: str,
+    device: str,
+    num_prompts: int,
+    max_new_tokens: int,
+    backends: tuple[str, ...] = ("auto",),
+    draft: str | None = None,
+) -> dict:
+    hf_model, tokenizer = load_model(model_path, dtype=dtype, device=device)
+    prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=num_prompts)]
+    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(device)
+    timings = {}
+    start = time.perf_counter()
+    expected = hf_model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+    timings["transformers_s"] = time.perf_counter() - start
+    width = batch["input_ids"].shape[1]
+    head = min(64, max_new_tokens)
+    result = {
+        "dtype": dtype,
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "rows": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "draft": draft,
+        **timings,
+    }
+    first = None
+    for backend in backends:
+        model = sparsespec.wrap(hf_model, tokenizer=tokenizer, draft=draft, attention_backend=backend)
+        start = time.perf_counter()
+        actual = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+        result[backend] = {
+            "seconds": time.perf_counter() - start,
+            "identical": bool(torch.equal(expected, actual)),
+            **_agreement(expected, actual, width, head),
+            "stats": model.last_stats.summary(),
+        }
+        if first is None:
+            first = (backend, actual)
+        else:
+            result[backend][f"vs_{first[0]}"] = _agreement(first[1], actual, width, head)
+    return result
 
 
 def main() -> None:
@@ -58,9 +87,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft", default="none", choices=["none", *DRAFT_POLICIES], help="default: no speculation")
+    parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), help="default: triton + reference on CUDA")
     parser.add_argument("--out", help="append the result as one JSON line to this file")
     args = parser.parse_args()
-    result = compare(args.model, args.dtype, args.device, args.prompts, args.max_new_tokens)
+    backends = args.backends or (["triton", "reference"] if args.device.startswith("cuda") else ["reference"])
+    draft = None if args.draft == "none" else args.draft
+    result = compare(args.model, args.dtype, args.device, args.prompts, args.max_new_tokens, tuple(backends), draft)
     print(json.dumps(result))
     if args.out:
         with open(args.out, "a") as sink:

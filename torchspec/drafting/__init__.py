@@ -9,13 +9,25 @@ from torchspec.drafting.base import DraftPolicy
 from torchspec.drafting.ngram import NgramPolicy
 from torchspec.drafting.oracle import OraclePolicy
 from torchspec.drafting.pillar import PillarPolicy
+from torchspec.drafting.pillar_quest import PillarQuestPolicy
+from torchspec.drafting.pillar_recent import PillarRecentPolicy
 from torchspec.drafting.quest import QuestPolicy
 from torchspec.drafting.sparsespec_l import SparseSpecLPolicy
 from torchspec.drafting.streaming import StreamingPolicy
 from torchspec.kv_cache import LayerSpec
 
 POLICIES: dict[str, type[DraftPolicy]] = {
-    cls.name: cls for cls in (PillarPolicy, StreamingPolicy, NgramPolicy, QuestPolicy, SparseSpecLPolicy, OraclePolicy)
+    cls.name: cls
+    for cls in (
+        PillarRecentPolicy,
+        PillarPolicy,
+        StreamingPolicy,
+        NgramPolicy,
+        QuestPolicy,
+        SparseSpecLPolicy,
+        OraclePolicy,
+        PillarQuestPolicy,
+    )
 }
 
 

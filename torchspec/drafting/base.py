@@ -56,10 +56,11 @@ class DraftPolicy:
         raise NotImplementedError
 
     def select_positions(
-        self, request: Request, position: int, query: torch.Tensor, keys: torch.Tensor, scale: float
+        self, request: Request, position: int, layer: int, query: torch.Tensor, keys: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """Query-aware policies: positions (``[num_kv_heads, n]``, ending with the recent ones) that the draft
-        query ``[num_heads, head_dim]`` at ``position`` attends to, given the layer's keys of every position
+        query ``[num_heads, head_dim]`` at ``position`` attends to in sparse layer ``layer`` (its ``layer_idx``,
+        for policies that keep per-layer state), given the layer's keys of every position
         ``[position + 1, num_kv_heads, head_dim]``."""
         raise NotImplementedError
 
@@ -81,8 +82,9 @@ class DraftPolicy:
     def on_round_end(self, request: Request, num_accepted: int) -> None:
         """After a verify checked this round's drafts (``request.round`` still holds them)."""
 
-    def on_verify(self, request: Request, mass: Sequence[torch.Tensor] | None, first_query_position: int) -> None:
+    def on_verify(self, request: Request, mass: torch.Tensor | None, first_query_position: int) -> None:
         """Called after a step that ends with full attention over the request's newest tokens (a verify, or the
-        last prefill chunk) and before its tokens are accepted. ``mass[i]`` is ``[num_kv_heads, context]``: the
-        exact attention mass per position of sparse layer ``i`` (only when ``uses_verify_scores``)."""
+        last prefill chunk) and before its tokens are accepted. ``mass`` (only when ``uses_verify_scores``, and
+        when some layer drafts sparsely) is ``[len(sparse_layers), num_kv_heads, context]`` on the model's
+        device: the exact attention mass per position, reduced on the device."""
         request.round.recent_start = first_query_position

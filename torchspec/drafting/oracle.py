@@ -17,7 +17,7 @@ class OraclePolicy(DraftPolicy):
     selects_in_attention = True
 
     def select_positions(
-        self, request: Request, position: int, query: torch.Tensor, keys: torch.Tensor, scale: float
+        self, request: Request, position: int, layer: int, query: torch.Tensor, keys: torch.Tensor, scale: float
     ) -> torch.Tensor:
         older, count = self.num_older(request, position)
         num_kv_heads = keys.shape[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
@@ -19,6 +20,9 @@ class PillarPolicy(DraftPolicy):
 
     name = "pillar"
     uses_verify_scores = True
+    #: Fraction of the older budget (after sinks) the verify Top-K takes; a subclass may leave the rest to
+    #: another selection (PillarQuest: Quest pages chosen by the round's first draft query).
+    verify_share: ClassVar[float] = 1.0
 
     def ready(self, request: Request) -> bool:
         return request.round.pattern is not None
@@ -27,20 +31,26 @@ class PillarPolicy(DraftPolicy):
         super().__init__(config, layers)
         self.num_sinks = 0  # first tokens always kept (the paper keeps none)
         self.window = config.recent_window
+        self.successors = config.successors
 
-    def on_verify(self, request: Request, mass: Sequence[torch.Tensor] | None, first_query_position: int) -> None:
-        # Positions before the verify's queries and the recent window compete for the rest of the budget.
-        older = max(0, first_query_position - self.window)
+    def on_verify(self, request: Request, mass: torch.Tensor | None, first_query_position: int) -> None:
+        # Positions before the verify's queries and the recent window compete for the rest of the budget. The
+        # window takes at most half the budget (small budgets keep room for Top-K picks) and shrinks when the
+        # budget cannot hold it next to the verify's queries.
+        context = mass.shape[-1] if mass is not None else first_query_position
+        budget = self.budget(context)
+        window = min(self.window, budget // 2, max(0, budget - (context - first_query_position)))
+        older = max(0, first_query_position - window)
         super().on_verify(request, mass, older)
-        context = mass[0].shape[-1] if mass else first_query_position
         sinks = min(self.num_sinks, older)
         num_selected = min(older - sinks, max(0, self.budget(context) - (context - older) - sinks))
-        if num_selected == older - sinks or not mass:  # the budget covers it all, or no layer drafts sparsely
+        if num_selected == older - sinks or mass is None:  # the budget covers it all, or no layer drafts sparsely
             request.round.pattern = torch.arange(older)
             return
-        scores = torch.stack([layer_mass[:, sinks:older] for layer_mass in mass])  # [layers, Hkv, candidates]
-        span = self.config.successors + 1
-        picks = scores.topk(max(1, num_selected // span) if num_selected else 0, dim=-1).indices + sinks
+        num_selected = int(num_selected * self.verify_share)
+        scores = mass[..., sinks:older]  # [layers, Hkv, candidates]
+        span = self.successors + 1
+        picks = scores.topk(max(1, num_selected // span) if num_selected else 0, dim=-1).indices.cpu() + sinks
         pattern = _expand_successors(picks, span, older)
         if sinks:
             pattern = torch.cat([torch.arange(sinks).expand(*pattern.shape[:2], -1), pattern], dim=-1)

@@ -1,4 +1,9 @@
-"""Tests of the plain-PyTorch reference attention ops against dense ``scaled_dot_product_attention``.
+"""Tests of both attention implementations (the plain-PyTorch reference and the Triton kernels) against
+dense ``scaled_dot_product_attention``.
+
+Without CUDA the Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set in
+``tests/conftest.py``); with CUDA they run on the GPU (inputs moved there, fp32 compared at the same
+tolerances because fp32 products are computed in IEEE precision, not TF32).
 
 Every expected value is built independently of the op under test: K/V are kept as dense per-request tensors
 (ordered by position), written into a larger pool at scattered slots with ``store_kv``, and the expectation is
@@ -8,15 +13,45 @@ dense SDPA over the repeat-interleaved K/V with an explicit boolean position mas
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attention.reference import paged_attention, store_kv
+from attention import paged, reference
+from attention.reference import FirstLists, store_kv
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_kernel_device(function):
+    """``function`` run on the kernel device with CPU tensors in and out."""
+
+    def run(*args, **kwargs):
+        def move(x):
+            return x.to(KERNEL_DEVICE) if isinstance(x, torch.Tensor) else x
+
+        kwargs = {k: type(v)(*map(move, v)) if isinstance(v, tuple) else move(v) for k, v in kwargs.items()}
+        result = function(*(move(a) for a in args), **kwargs)
+        return tuple(r.cpu() for r in result) if isinstance(result, tuple) else result.cpu()
+
+    return run
+
+
+IMPLEMENTATIONS = {
+    "reference": (reference.paged_attention, reference.attention_mass),
+    "triton": (_on_kernel_device(paged.paged_attention), _on_kernel_device(paged.attention_mass)),
+}
+
+
+@pytest.fixture(params=list(IMPLEMENTATIONS))
+def impl(request):
+    """``paged_attention`` of each implementation."""
+    return IMPLEMENTATIONS[request.param][0]
+
 
 ATOL = 1e-5
 RTOL = 1e-5
@@ -89,8 +124,8 @@ class _Batch:
         self.query = torch.cat(self.queries)
         self.cu_seqlens_q = torch.tensor([0, *torch.tensor([q for q, _ in lens]).cumsum(0).tolist()])
 
-    def run(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sliding_window: int | None = None):
-        return paged_attention(
+    def run(self, impl, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sliding_window: int | None = None, **hints):
+        return impl(
             self.query,
             self.k_cache,
             self.v_cache,
@@ -99,6 +134,7 @@ class _Batch:
             kv_indices,
             self.scale,
             sliding_window=sliding_window,
+            **hints,
         )
 
     def shared_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,31 +192,31 @@ def test_store_kv_writes_only_the_given_slots():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("gqa_ratio", [1, 3, 4, 8])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_shared_lists_match_sdpa(scenario, gqa_ratio, head_dim):
+def test_shared_lists_match_sdpa(scenario, gqa_ratio, head_dim, impl):
     """Decode, verify (q_len 5), prefill chunks and mixed packed batches, for GQA ratios 1/3/4/8, head_dim 64/128.
 
     Protects the gather by scattered slots, the causal offset of multi-token queries, the GQA head grouping
     (query head h uses KV head h // ratio) and the per-request packing.
     """
     batch = _Batch(SCENARIOS[scenario], NUM_KV_HEADS * gqa_ratio, NUM_KV_HEADS, head_dim, seed=gqa_ratio + head_dim)
-    _check(batch.run(*batch.shared_lists()), batch.expected_shared())
+    _check(batch.run(impl, *batch.shared_lists()), batch.expected_shared())
 
 
 @pytest.mark.parametrize("window", [1, 2, 5, 16, 100])
-def test_sliding_window_matches_sdpa(window):
+def test_sliding_window_matches_sdpa(window, impl):
     """A sliding window w lets query position p see exactly positions p-w+1..p (w >= kv_len means no window)."""
     batch = _Batch(SCENARIOS["mixed"], 8, NUM_KV_HEADS, 64, seed=window)
-    _check(batch.run(*batch.shared_lists(), sliding_window=window), batch.expected_shared(window))
+    _check(batch.run(impl, *batch.shared_lists(), sliding_window=window), batch.expected_shared(window))
 
 
-def test_empty_and_length_one_lists():
+def test_empty_and_length_one_lists(impl):
     """A request with an empty list outputs zeros with lse -inf; a length-1 list outputs that V (lse = scaled q.k).
 
     The neighbouring requests in the same packed batch must not be disturbed.
     """
     lens = [(1, 0), (1, 1), (3, 8), (2, 0), (1, 1)]
     batch = _Batch(lens, 6, NUM_KV_HEADS, 64, seed=3)
-    out, lse = batch.run(*batch.shared_lists())
+    out, lse = batch.run(impl, *batch.shared_lists())
     _check((out, lse), batch.expected_shared())
     # Explicit checks of the two edge cases, independent of SDPA.
     assert torch.equal(out[0], torch.zeros(6, 64)) and torch.isneginf(lse[0]).all()
@@ -248,7 +284,7 @@ def _random_subsets(batch: _Batch, sizes: list[list[int]], g: torch.Generator) -
 
 
 @pytest.mark.parametrize("gqa_ratio", [1, 4])
-def test_per_head_lists_match_per_head_sdpa(gqa_ratio):
+def test_per_head_lists_match_per_head_sdpa(gqa_ratio, impl):
     """Per-KV-head lists ([Hkv, N]) with a different subset per head: each head attends only to its own subset."""
     g = torch.Generator().manual_seed(10 + gqa_ratio)
     batch = _Batch([(1, 12), (5, 15), (3, 9)], 3 * gqa_ratio, 3, 64, seed=gqa_ratio)
@@ -257,26 +293,26 @@ def test_per_head_lists_match_per_head_sdpa(gqa_ratio):
     assert not all(torch.equal(keep[0][0], keep[0][h]) for h in range(3))
     indptr, indices = _per_head_lists(batch, keep, [0, 0, 0], g)
     assert indices.shape == (3, int(indptr[-1]))
-    _check(batch.run(indptr, indices), _expected_per_head(batch, keep))
+    _check(batch.run(impl, indptr, indices), _expected_per_head(batch, keep))
 
 
 @pytest.mark.parametrize("gqa_ratio", [1, 3])
-def test_per_head_lists_with_padding(gqa_ratio):
+def test_per_head_lists_with_padding(gqa_ratio, impl):
     """Padding slots (-1) in per-head lists are skipped; heads of unequal true length share one padded length."""
     g = torch.Generator().manual_seed(20 + gqa_ratio)
     batch = _Batch([(1, 14), (5, 16), (1, 6), (2, 10)], 3 * gqa_ratio, 3, 64, seed=gqa_ratio)
     keep = _random_subsets(batch, [[10, 3, 7], [2, 8, 5], [0, 5, 2], [8, 1, 4]], g)
     indptr, indices = _per_head_lists(batch, keep, [2, 0, 1, 3], g)
     assert (indices == -1).any()
-    _check(batch.run(indptr, indices), _expected_per_head(batch, keep))
+    _check(batch.run(impl, indptr, indices), _expected_per_head(batch, keep))
 
 
-def test_per_head_list_all_padding_gives_zero_output():
+def test_per_head_list_all_padding_gives_zero_output(impl):
     """A decode head whose list is only padding outputs zeros with lse -inf; the other heads are unaffected."""
     batch = _Batch([(1, 5)], 4, 2, 64, seed=5)
     slots = batch.slots[0].tolist()
     indices = torch.tensor([slots, [-1] * 5])
-    out, lse = batch.run(torch.tensor([0, 5]), indices)
+    out, lse = batch.run(impl, torch.tensor([0, 5]), indices)
     assert torch.equal(out[:, 2:], torch.zeros(1, 2, 64)) and torch.isneginf(lse[:, 2:]).all()
     exp_out, exp_lse = _dense_expected(
         batch.queries[0][:, :2], batch.keys[0][:, :1], batch.values[0][:, :1], _position_mask(1, 5), batch.scale
@@ -285,7 +321,7 @@ def test_per_head_list_all_padding_gives_zero_output():
     torch.testing.assert_close(lse[:, :2], exp_lse, atol=ATOL, rtol=RTOL)
 
 
-def test_per_head_lists_empty_request():
+def test_per_head_lists_empty_request(impl):
     """Per-head lists with an empty request in the middle: zeros and lse -inf for it, neighbours unaffected."""
     batch = _Batch([(1, 8), (1, 0), (3, 7)], 4, 2, 64, seed=30)
     keep = [
@@ -298,32 +334,117 @@ def test_per_head_lists_empty_request():
         for h in range(2):
             rows[h].extend(batch.slots[b][keep[b][h]].tolist())
     indptr = torch.tensor([0, 4, 4, 8])
-    _check(batch.run(indptr, torch.tensor(rows)), _expected_per_head(batch, keep))
+    _check(batch.run(impl, indptr, torch.tensor(rows)), _expected_per_head(batch, keep))
 
 
-def test_output_dtype_follows_query():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_output_dtype_follows_query(impl, dtype):
     """Half-precision queries/caches give an output in the query dtype and an fp32 lse close to the fp32 result."""
+    if impl is IMPLEMENTATIONS["triton"][0] and KERNEL_DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's CPU interpreter computes with numpy, which has no bfloat16 (fp16 is covered)")
     batch = _Batch(SCENARIOS["mixed"], 8, NUM_KV_HEADS, 64, seed=7)
     indptr, indices = batch.shared_lists()
-    out, lse = paged_attention(
-        batch.query.to(torch.bfloat16),
-        batch.k_cache.to(torch.bfloat16),
-        batch.v_cache.to(torch.bfloat16),
+    out, lse = impl(
+        batch.query.to(dtype),
+        batch.k_cache.to(dtype),
+        batch.v_cache.to(dtype),
         batch.cu_seqlens_q,
         indptr,
         indices,
         batch.scale,
     )
-    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert out.dtype == dtype and lse.dtype == torch.float32
     exp_out, exp_lse = batch.expected_shared()
     torch.testing.assert_close(out.float(), exp_out, atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(lse, exp_lse, atol=5e-2, rtol=5e-2)
 
 
-def test_heads_not_divisible_by_kv_heads_raise():
+def test_heads_not_divisible_by_kv_heads_raise(impl):
     """A query head count that is not a multiple of the KV head count is rejected."""
     batch = _Batch([(1, 3)], 4, 2, 64, seed=0)
     with pytest.raises(ValueError):
-        paged_attention(
-            torch.randn(1, 3, 64), batch.k_cache, batch.v_cache, batch.cu_seqlens_q, *batch.shared_lists(), 0.125
-        )
+        impl(torch.randn(1, 3, 64), batch.k_cache, batch.v_cache, batch.cu_seqlens_q, *batch.shared_lists(), 0.125)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("window", [None, 100])
+def test_split_kv_matches_one_pass(num_splits, window):
+    """Flash-decoding splits (multiples of 64 entries, some empty when there are more splits than blocks) merged
+    by their LSE give the unsplit result, for lists just above and below the split boundaries."""
+    batch = _Batch([(1, 300), (1, 129), (1, 64), (1, 65), (5, 200), (1, 1)], 6, 2, 64, seed=num_splits)
+    expected = batch.expected_shared(window)
+    _check(batch.run(IMPLEMENTATIONS["triton"][0], *batch.shared_lists(), window, num_splits=num_splits), expected)
+
+
+def test_fused_draft_and_full_lists_match_separate_calls(impl):
+    """``first_lists``: draft requests (first, per-head lists) and verify/decode requests (shared lists) in one
+    call give what each group gives on its own: the fused launch changes nothing but the launch count."""
+    g = torch.Generator().manual_seed(40)
+    batch = _Batch([(1, 40), (1, 17), (9, 50), (1, 33)], 6, 2, 64, seed=40)
+    drafts = copy.copy(batch)  # the first two requests only, same pool
+    for name in ("lens", "keys", "values", "queries", "slots"):
+        setattr(drafts, name, getattr(batch, name)[:2])
+    keep = _random_subsets(drafts, [[9, 4], [3, 12]], g)
+    draft_indptr, draft_indices = _per_head_lists(drafts, keep, [2, 0], g)
+    full_indptr = torch.tensor([0, 50, 83])
+    full_indices = torch.cat(batch.slots[2:])
+    out, lse = batch.run(impl, full_indptr, full_indices, first_lists=FirstLists(2, draft_indptr, draft_indices))
+    draft_part = reference.paged_attention(
+        batch.query[:2], batch.k_cache, batch.v_cache, batch.cu_seqlens_q[:3], draft_indptr, draft_indices, batch.scale
+    )
+    expected_drafts = _expected_per_head(drafts, keep)
+    _check(draft_part, expected_drafts)  # the draft requests' own expectation, independent of first_lists
+    full_expected = batch.expected_shared()
+    _check((out[:2], lse[:2]), expected_drafts)
+    _check((out[2:], lse[2:]), (full_expected[0][2:], full_expected[1][2:]))
+
+
+@pytest.mark.parametrize("gqa_ratio", [1, 3, 4, 8])
+def test_attention_mass_is_the_mean_softmax_of_the_scored_queries(gqa_ratio):
+    """Verify scores: per (KV head, list entry) the softmax probability averaged over the last ``num_scored``
+    queries of each request and its group's query heads, from dense softmax; unscored requests stay 0."""
+    lens = [(9, 70), (1, 20), (9, 9), (5, 130)]
+    scored = torch.tensor([9, 0, 4, 2])
+    batch = _Batch(lens, 2 * gqa_ratio, 2, 64, seed=gqa_ratio)
+    indptr, indices = batch.shared_lists()
+    _, lse = reference.paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, indptr, indices, batch.scale
+    )
+    expected = torch.zeros(2, int(indptr[-1]))
+    for b, (q_len, kv_len) in enumerate(lens):
+        count = int(scored[b])
+        if count == 0:
+            continue
+        k = batch.keys[b].repeat_interleave(gqa_ratio, dim=1).transpose(0, 1)  # [H, L, D]
+        logits = torch.einsum("qhd,hld->hql", batch.queries[b][q_len - count :], k) * batch.scale
+        mask = _position_mask(q_len, kv_len)[q_len - count :]
+        probs = logits.masked_fill(~mask, -math.inf).softmax(dim=-1)  # [H, count, L]
+        expected[:, indptr[b] : indptr[b + 1]] = probs.reshape(2, gqa_ratio, count, kv_len).mean(dim=(1, 2))
+    for name, (_, mass_fn) in IMPLEMENTATIONS.items():
+        mass = mass_fn(batch.query, batch.k_cache, batch.cu_seqlens_q, indptr, indices, lse, batch.scale, scored)
+        torch.testing.assert_close(mass, expected, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel benchmark times CUDA graphs")
+def test_kernel_benchmark_measures_every_case_of_a_small_point(tmp_path):
+    """The benchmark times every case at one small point and reports it (GPU only)."""
+    from torchspec.bench import kernels
+
+    records = kernels.measure(kernels.Case(kernels.SHAPES["smollm2"], 8, 1024), baselines=False)
+    assert {r["case"] for r in records} == {"decode", "verify", "draft", "mass", "mixed_fused", "mixed_two_launches"}
+    assert all(r["ms"] > 0 and r["bytes"] > 0 for r in records), records
+    assert "| smollm2 | 8 | 1024 |" in kernels.report(records)
+
+
+@pytest.mark.parametrize(
+    ("groups", "expected"),
+    [
+        ([(0, 0, 0), (256, 1, 8192)], [1, 1]),  # a full batch of decodes: enough programs, no split
+        ([(0, 0, 0), (8, 1, 8192)], [1, 22]),  # a small batch: 8 x 3 heads x 22 splits = 528 programs
+        ([(228, 1, 410), (28, 1, 8192)], [1, 5]),  # drafts + verifies: only verify lists split, to ~1.6K each
+    ],
+)
+def test_split_counts_balance_the_work(groups, expected):
+    """Lists are cut into chunks of about equal work, so a few long lists never leave a tail of long programs."""
+    assert paged._split_counts(3, groups) == expected

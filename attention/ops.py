@@ -1,0 +1,138 @@
+"""The Triton op set as ``torch.library`` custom ops with fake implementations.
+
+torch.compile treats each op as opaque (no graph breaks, no tracing into Triton launches) and infers output
+shapes from the fake implementations. The module has the same three functions as
+:mod:`attention.reference`, so the engine swaps one for the other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention import paged
+from attention.reference import FirstLists, store_kv
+
+__all__ = ["attention_mass", "paged_attention", "store_kv"]
+
+
+@torch.library.custom_op("torchspec::paged_attention", mutates_args=())
+def _paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    max_q_len: int | None,
+    max_kv_len: int | None,
+    num_first: int,
+    first_indptr: torch.Tensor | None,
+    first_indices: torch.Tensor | None,
+    first_max_q_len: int | None,
+    first_max_kv_len: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    first_lists = (
+        FirstLists(num_first, first_indptr, first_indices, first_max_q_len, first_max_kv_len) if num_first else None
+    )
+    return paged.paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        kv_indptr,
+        kv_indices,
+        scale,
+        sliding_window,
+        max_q_len=max_q_len,
+        max_kv_len=max_kv_len,
+        first_lists=first_lists,
+    )
+
+
+@_paged_attention.register_fake
+def _(query, k_cache, v_cache, cu_seqlens_q, kv_indptr, kv_indices, scale, sliding_window, *args):
+    return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("torchspec::attention_mass", mutates_args=())
+def _attention_mass(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    num_scored_queries: torch.Tensor,
+    max_scored: int | None,
+    max_kv_len: int | None,
+) -> torch.Tensor:
+    return paged.attention_mass(
+        query,
+        k_cache,
+        cu_seqlens_q,
+        kv_indptr,
+        kv_indices,
+        lse,
+        scale,
+        num_scored_queries,
+        max_scored=max_scored,
+        max_kv_len=max_kv_len,
+    )
+
+
+@_attention_mass.register_fake
+def _(query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, *args):
+    return query.new_empty((k_cache.shape[1], kv_indices.shape[-1]), dtype=torch.float32)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
+    first_lists: FirstLists | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`attention.reference.paged_attention`; the keyword hints spare the kernel a device sync."""
+    first = first_lists if first_lists is not None else FirstLists(0, None, None)
+    return _paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        kv_indptr,
+        kv_indices,
+        scale,
+        sliding_window,
+        max_q_len,
+        max_kv_len,
+        *first,
+    )
+
+
+def attention_mass(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    num_scored_queries: torch.Tensor,
+    *,
+    max_scored: int | None = None,
+    max_kv_len: int | None = None,
+) -> torch.Tensor:
+    """See :func:`attention.reference.attention_mass`."""
+    return _attention_mass(
+        query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, lse, scale, num_scored_queries, max_scored, max_kv_len
+    )

@@ -1,0 +1,311 @@
+"""Kernel benchmark: the Triton paged attention against FlexAttention decoding and SDPA, in effective HBM
+bandwidth (bytes of K/V a case must read / time).
+
+Cases per (model shape, batch, context): ``decode`` (1 query, full list), ``verify`` (k + 1 = 9 queries, full
+list), ``draft`` (1 query, per-KV-head lists of 5% of the context, gathered rows), ``mass`` (the PillarAttn
+score pass of verify requests: K only), and ``mixed`` (1 verify per 8 drafts) as one fused launch and as
+two launches. FlexAttention and SDPA decode over a dense ``[B, Hkv, L, D]`` copy of the same K/V (their
+best case: no paging). Times are medians of CUDA-graph replays (no host overhead), caches flushed.
+
+    python -m torchspec.bench.kernels --out kernels.jsonl
+    python -m torchspec.bench.kernels --report kernels.jsonl      # markdown table of a finished run
+    python -m torchspec.bench.kernels --sweep --batches 32 128 --contexts 8192 --out sweep.jsonl
+        # every launch configuration (BLOCK_N x warps x stages) for our cases, records tagged with it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
+K = 8  # drafts per round: a verify has K + 1 queries, a mixed batch 1 verify per K drafts
+SPARSITY = 0.05
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+SHAPES = {
+    "smollm2": Shape("smollm2", 9, 3, 64),
+    "qwen3-8b": Shape("qwen3-8b", 32, 8, 128),
+}
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    except Exception:  # not capturable (e.g. a compiled function that re-guards): time eagerly
+        return float(triton.testing.do_bench(fn, rep=100, return_mode="median"))
+
+
+class Case:
+    """One (shape, batch, context) point: a paged pool with each request's slots contiguous (a fresh
+    allocation), and the lists and queries every case reads."""
+
+    def __init__(self, shape: Shape, batch: int, context: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.shape, self.batch, self.context = shape, batch, context
+        device = torch.device("cuda")
+        g = torch.Generator(device=device).manual_seed(0)
+        slots = batch * context
+        self.k_cache = torch.randn(slots, shape.num_kv_heads, shape.head_dim, device=device, dtype=dtype, generator=g)
+        self.v_cache = torch.randn_like(self.k_cache)
+        self.scale = shape.head_dim**-0.5
+        self.full_indices = torch.arange(slots, device=device)
+        self.full_indptr = torch.arange(batch + 1, device=device) * context
+        self.row_bytes = shape.num_kv_heads * shape.head_dim * self.k_cache.element_size()  # one token's K (or V)
+        budget = math.ceil(SPARSITY * context)
+        # Per KV head: `budget - 1` random older positions (sorted) and the request's own newest token.
+        older = torch.rand(batch, shape.num_kv_heads, context - 1, device=device, generator=g)
+        picks = older.topk(budget - 1, dim=-1).indices.sort(dim=-1).values
+        positions = torch.cat([picks, torch.full_like(picks[..., :1], context - 1)], dim=-1)
+        base = (torch.arange(batch, device=device) * context)[:, None, None]
+        self.draft_indices = (positions + base).permute(1, 0, 2).reshape(shape.num_kv_heads, -1).contiguous()
+        self.draft_indptr = torch.arange(batch + 1, device=device) * budget
+        self.budget = budget
+
+    def queries(self, q_len: int, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = batch or self.batch
+        q = torch.randn(
+            batch * q_len, self.shape.num_heads, self.shape.head_dim, device="cuda", dtype=self.k_cache.dtype
+        )
+        return q, torch.arange(batch + 1, device="cuda") * q_len
+
+
+def _ours(case: Case, q_len: int, per_head: bool) -> tuple[Callable[[], object], int]:
+    from attention import ops
+
+    q, cu = case.queries(q_len)
+    indptr, indices = (case.draft_indptr, case.draft_indices) if per_head else (case.full_indptr, case.full_indices)
+    length = case.budget if per_head else case.context
+    fn = lambda: ops.paged_attention(  # noqa: E731
+        q, case.k_cache, case.v_cache, cu, indptr, indices, case.scale, max_q_len=q_len, max_kv_len=length
+    )
+    return fn, 2 * case.batch * length * case.row_bytes
+
+
+def _mass(case: Case) -> tuple[Callable[[], object], int]:
+    from attention import ops
+
+    q, cu = case.queries(K + 1)
+    _, lse = ops.paged_attention(
+        q, case.k_cache, case.v_cache, cu, case.full_indptr, case.full_indices, case.scale, max_q_len=K + 1
+    )
+    scored = torch.full((case.batch,), K + 1, device="cuda")
+    fn = lambda: ops.attention_mass(  # noqa: E731
+        q,
+        case.k_cache,
+        cu,
+        case.full_indptr,
+        case.full_indices,
+        lse,
+        case.scale,
+        scored,
+        max_scored=K + 1,
+        max_kv_len=case.context,
+    )
+    return fn, case.batch * case.context * case.row_bytes
+
+
+def _mixed(case: Case, fused: bool) -> tuple[Callable[[], object], int]:
+    """The first 8/9 of the batch draft (sparse lists), the rest verify (full lists)."""
+    from attention import ops
+    from attention.reference import FirstLists
+
+    num_verify = max(1, case.batch // (K + 1))
+    num_draft = case.batch - num_verify
+    draft_q, draft_cu = case.queries(1, num_draft)
+    verify_q, verify_cu = case.queries(K + 1, num_verify)
+    draft_lists = FirstLists(num_draft, case.draft_indptr[: num_draft + 1], case.draft_indices, 1, case.budget)
+    verify_indptr = case.full_indptr[: num_verify + 1]
+    query = torch.cat([draft_q, verify_q])
+    cu = torch.cat([draft_cu, verify_cu[1:] + num_draft])
+    nbytes = 2 * (num_draft * case.budget + num_verify * case.context) * case.row_bytes
+    if fused:
+        return lambda: ops.paged_attention(
+            query,
+            case.k_cache,
+            case.v_cache,
+            cu,
+            verify_indptr,
+            case.full_indices,
+            case.scale,
+            max_q_len=K + 1,
+            max_kv_len=case.context,
+            first_lists=draft_lists,
+        ), nbytes
+
+    def two_launches() -> None:
+        ops.paged_attention(
+            draft_q,
+            case.k_cache,
+            case.v_cache,
+            draft_cu,
+            draft_lists[1],
+            draft_lists[2],
+            case.scale,
+            max_q_len=1,
+            max_kv_len=case.budget,
+        )
+        ops.paged_attention(
+            verify_q,
+            case.k_cache,
+            case.v_cache,
+            verify_cu,
+            verify_indptr,
+            case.full_indices,
+            case.scale,
+            max_q_len=K + 1,
+            max_kv_len=case.context,
+        )
+
+    return two_launches, nbytes
+
+
+def _dense_baselines(case: Case) -> dict[str, tuple[Callable[[], object], int]]:
+    """FlexAttention (compiled, decoding kernel) and SDPA over a dense copy of the K/V, one query per request."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    shape = case.shape
+    dense = (case.batch, case.context, shape.num_kv_heads, shape.head_dim)
+    k = case.k_cache.view(dense).transpose(1, 2).contiguous()
+    v = case.v_cache.view(dense).transpose(1, 2).contiguous()
+    q = torch.randn(case.batch, shape.num_heads, 1, shape.head_dim, device="cuda", dtype=k.dtype)
+    flex = torch.compile(flex_attention, dynamic=False)
+    nbytes = 2 * case.batch * case.context * case.row_bytes
+    return {
+        "flex_decode": (lambda: flex(q, k, v, scale=case.scale, enable_gqa=True), nbytes),
+        "sdpa_decode": (lambda: F.scaled_dot_product_attention(q, k, v, scale=case.scale, enable_gqa=True), nbytes),
+    }
+
+
+SWEEP = [(block_n, warps, stages) for block_n in (64, 128) for warps in (4, 8) for stages in (2, 3)]
+
+
+def sweep(case: Case) -> list[dict]:
+    """Our cases under every launch configuration of ``SWEEP`` (the kernel's own choice is bypassed)."""
+    from attention import paged
+
+    records = []
+    try:
+        for block_n, warps, stages in SWEEP:
+            paged.LAUNCH_OVERRIDE = paged.LaunchConfig(block_n, warps, stages)
+            for record in measure(case, baselines=False):
+                records.append({**record, "block_n": block_n, "num_warps": warps, "num_stages": stages})
+    finally:
+        paged.LAUNCH_OVERRIDE = None
+    return records
+
+
+def measure(case: Case, baselines: bool = True) -> list[dict]:
+    """Every case of one point, as result records (with FlexAttention and SDPA unless ``baselines=False``)."""
+    runs: dict[str, tuple[Callable[[], object], int]] = {
+        "decode": _ours(case, 1, per_head=False),
+        "verify": _ours(case, K + 1, per_head=False),
+        "draft": _ours(case, 1, per_head=True),
+        "mass": _mass(case),
+        "mixed_fused": _mixed(case, fused=True),
+        "mixed_two_launches": _mixed(case, fused=False),
+    }
+    records = [_record(case, name, fn, nbytes) for name, (fn, nbytes) in runs.items()]
+    if not baselines:
+        return records
+    try:
+        for name, (fn, nbytes) in _dense_baselines(case).items():
+            records.append(_record(case, name, fn, nbytes))
+    except Exception as error:  # a baseline that cannot run at this shape is reported, not fatal
+        records.append({**_point(case), "case": "dense_baselines", "error": repr(error)[:300]})
+    return records
+
+
+def _point(case: Case) -> dict:
+    return {"shape": case.shape.name, "batch": case.batch, "context": case.context}
+
+
+def _record(case: Case, name: str, fn: Callable[[], object], nbytes: int) -> dict:
+    try:
+        ms = _time_ms(fn)
+    except Exception as error:
+        return {**_point(case), "case": name, "error": repr(error)[:300]}
+    tbps = nbytes / (ms * 1e-3) / 1e12
+    return {
+        **_point(case),
+        "case": name,
+        "ms": ms,
+        "bytes": nbytes,
+        "tb_per_s": tbps,
+        "pct_peak": 100 * tbps * 1e12 / PEAK_BYTES_PER_S,
+    }
+
+
+COLUMNS = ["decode", "verify", "draft", "mass", "mixed_fused", "mixed_two_launches", "flex_decode", "sdpa_decode"]
+
+
+def report(records: list[dict]) -> str:
+    """Markdown: one row per point, % of peak HBM bandwidth per case, and the fused launch's speed-up."""
+    points: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        points.setdefault((r["shape"], r["batch"], r["context"]), {})[r["case"]] = r
+    lines = [
+        "| shape | batch | context | " + " | ".join(COLUMNS) + " | fused speed-up |",
+        "|---|---|---|" + "---|" * (len(COLUMNS) + 1),
+    ]
+    for (shape, batch, context), cases in points.items():
+        cells = []
+        for column in COLUMNS:
+            r = cases.get(column, {})
+            cells.append(f"{r['pct_peak']:.0f}% ({r['ms'] * 1e3:.0f} us)" if "ms" in r else "-")
+        fused, two = cases.get("mixed_fused", {}), cases.get("mixed_two_launches", {})
+        speedup = f"{two['ms'] / fused['ms']:.2f}x" if "ms" in fused and "ms" in two else "-"
+        lines.append(f"| {shape} | {batch} | {context} | " + " | ".join(cells) + f" | {speedup} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--batches", nargs="+", type=int, default=[32, 128, 256])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[2048, 8192, 16384])
+    parser.add_argument("--out", default="kernels.jsonl", help="JSON lines, appended after every point")
+    parser.add_argument("--report", metavar="JSONL", help="print the markdown table of a finished run and exit")
+    parser.add_argument("--sweep", action="store_true", help="measure every launch configuration (no baselines)")
+    args = parser.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            print(report([json.loads(line) for line in f if line.strip()]))
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("the kernel benchmark needs a CUDA GPU")
+    from tqdm import tqdm
+
+    points = [(s, b, c) for s in args.shapes for b in args.batches for c in args.contexts]
+    records = []
+    for shape, batch, context in tqdm(points, desc="kernel benchmark"):
+        case = Case(SHAPES[shape], batch, context)
+        new = sweep(case) if args.sweep else measure(case)
+        del case
+        torch.cuda.empty_cache()
+        records.extend(new)
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in new)
+    if not args.sweep:
+        print(report(records))
+
+
+if __name__ == "__main__":
+    main()
