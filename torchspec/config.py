@@ -41,6 +41,8 @@ class SpecConfig:
         successors: PillarAttn also takes the next ``successors`` positions after each Top-K pick, within the
             same budget (copy/induction attention moves forward with the query; 0 = the policy's own: none
             for ``pillar``, 4 for ``pillar_recent``).
+        head_budgets: PillarAttn shares each layer's Top-K picks across its KV heads by one Top-K over all of
+            them (most attention mass kept) instead of the same number per head.
         max_batch_size: most requests decoded together.
         kv_capacity_tokens: KV slots in the pool; ``None`` sizes the pool from free device memory.
         max_step_tokens: most query tokens in one forward step (bounds prefill chunks).
@@ -61,6 +63,7 @@ class SpecConfig:
     num_sinks: int = 4
     recent_window: int = 0
     successors: int = 0
+    head_budgets: bool = False
     max_batch_size: int = 256
     kv_capacity_tokens: int | None = None
     max_step_tokens: int = 2048
@@ -102,7 +105,7 @@ class SpecConfig:
             self.attention_backend in BACKENDS,
             f"attention_backend must be one of {list(BACKENDS)}, got {self.attention_backend!r}",
         )
-        for name in ("offload", "delayed_verify", "unified_schedule"):
+        for name in ("offload", "delayed_verify", "unified_schedule", "head_budgets"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")
         for name in ("compile", "cuda_graphs"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")

@@ -711,6 +711,32 @@ def test_pillar_recent_pattern_within_budget():
     assert small.draft_positions(request, 295).shape[-1] <= 32
 
 
+def test_head_budgets_share_the_picks_by_attention_mass():
+    """head_budgets=True: a layer's picks (count per head x heads) go to the largest masses over all its heads, so
+    a head with two dominant positions keeps just those and a diffuse head gets the rest; rows are padded with
+    -1 to one width, and a draft still reads at most the budget's worth of positions over the heads."""
+    policy = PillarPolicy(SpecConfig(draft="pillar", k=4, min_budget=16, head_budgets=True), _layer_specs([None]))
+    request = _request(100)
+    mass = torch.full((1, 2, 100), 1e-4)
+    mass[0, 0, [10, 20]] = 0.4  # head 0: concentrated on two positions
+    mass[0, 1, 30:60] = torch.linspace(0.01, 0.02, 30)  # head 1: diffuse
+    policy.on_verify(request, mass, 95)  # budget 16 - 5 verify queries = 11 picks per head, 22 per layer
+    pattern = request.round.pattern
+    head0, head1 = pattern[0, 0][pattern[0, 0] >= 0].tolist(), pattern[0, 1][pattern[0, 1] >= 0].tolist()
+    assert head0 == [10, 20] and head1 == list(range(40, 60))
+    assert pattern.shape == (1, 2, 20) and (pattern[0, 0] == -1).sum() == 18
+
+
+@pytest.mark.parametrize("spec", [GQA, MHA], ids=_ids([GQA, MHA]))
+def test_head_budgets_are_lossless(spec, baseline, monkeypatch):
+    """Uneven per-head lists (padded with -1) through the engine: the same tokens as plain decoding."""
+    expected = baseline(spec, BATCH)
+    wrapped, recorder = _wrap(spec, monkeypatch, draft="pillar_recent", k=4, head_budgets=True, **SPARSE)
+    actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    _rows_equal(expected, actual, f"{spec.id} head budgets")
+    check_rounds_happened(wrapped, recorder)
+
+
 # -- PillarQuest: half verify Top-K, half Quest pages of the round's first draft query --------------------------
 def test_pillar_quest_pages_come_from_the_first_draft_query_of_the_round():
     """The verify Top-K takes half of the older budget; the round's first draft query then adds the whole Quest

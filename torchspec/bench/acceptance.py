@@ -38,6 +38,7 @@ def default_variants() -> list[Variant]:
     variants = [Variant(name, {"draft": name}) for name in DRAFT_POLICIES]
     variants.append(Variant("pillar + recent 64", {"draft": "pillar", "recent_window": 64}))
     variants.append(Variant("pillar + successors 4", {"draft": "pillar", "successors": 4}))
+    variants.append(Variant("pillar_recent + head budgets", {"draft": "pillar_recent", "head_budgets": True}))
     return variants  # pillar_recent (a registered policy) is pillar + recent 64 + successors 4
 
 

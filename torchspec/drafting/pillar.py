@@ -50,8 +50,10 @@ class PillarPolicy(DraftPolicy):
         num_selected = int(num_selected * self.verify_share)
         scores = mass[..., sinks:older]  # [layers, Hkv, candidates]
         span = self.successors + 1
-        picks = scores.topk(max(1, num_selected // span) if num_selected else 0, dim=-1).indices.cpu() + sinks
-        pattern = _expand_successors(picks, span, older)
+        count = max(1, num_selected // span) if num_selected else 0
+        picks = _head_budget_picks(scores, count) if self.config.head_budgets else scores.topk(count, dim=-1).indices
+        picks = picks.cpu()
+        pattern = _expand_successors(torch.where(picks >= 0, picks + sinks, -1), span, older)
         if sinks:
             pattern = torch.cat([torch.arange(sinks).expand(*pattern.shape[:2], -1), pattern], dim=-1)
         request.round.pattern = pattern
@@ -64,12 +66,27 @@ class PillarPolicy(DraftPolicy):
         return torch.cat([pattern, recent.expand(*pattern.shape[:2], -1)], dim=-1)
 
 
+def _head_budget_picks(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` picks per KV head on average, shared out across a layer's heads by one Top-K over all of them
+    (the split that keeps the most attention mass: a head whose attention is concentrated gives its unused
+    share to a diffuse one). Rows are padded with -1 to the layer's longest: ``[layers, Hkv, width]``."""
+    layers, heads, candidates = scores.shape
+    flat = scores.flatten(1).topk(min(count * heads, heads * candidates), dim=-1).indices  # [layers, picks]
+    chosen = torch.zeros(layers, heads * candidates, dtype=torch.bool, device=scores.device)
+    chosen.scatter_(1, flat, True)
+    chosen = chosen.view(layers, heads, candidates)
+    width = int(chosen.sum(dim=-1).max())
+    positions = torch.where(chosen, torch.arange(candidates, device=scores.device), -1)
+    return positions.sort(dim=-1, descending=True).values[..., :width]
+
+
 def _expand_successors(picks: torch.Tensor, span: int, limit: int) -> torch.Tensor:
-    """Each pick and the ``span - 1`` positions after it, sorted per row; positions >= ``limit`` and repeats
-    become -1 (padding that attention skips), so every row keeps the same length."""
+    """Each pick and the ``span - 1`` positions after it, sorted per row; positions >= ``limit``, repeats and
+    the successors of -1 picks become -1 (padding that attention skips), so every row keeps the same length."""
     if span == 1:
         return picks.sort(dim=-1).values
-    positions = (picks[..., None] + torch.arange(span)).flatten(-2).sort(dim=-1).values
+    positions = torch.where(picks[..., None] >= 0, picks[..., None] + torch.arange(span), -1)
+    positions = positions.flatten(-2).sort(dim=-1).values
     repeated = torch.zeros_like(positions, dtype=torch.bool)
     repeated[..., 1:] = positions[..., 1:] == positions[..., :-1]
     return torch.where(repeated | (positions >= limit), -1, positions)
