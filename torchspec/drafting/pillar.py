@@ -43,7 +43,7 @@ class PillarPolicy(DraftPolicy):
         older = max(0, first_query_position - window)
         super().on_verify(request, mass, older)
         sinks = min(self.num_sinks, older)
-        num_selected = min(older - sinks, max(0, self.budget(context) - (context - older) - sinks))
+        num_selected = min(older - sinks, max(0, budget - (context - older) - sinks))
         if num_selected == older - sinks or mass is None:  # the budget covers it all, or no layer drafts sparsely
             request.round.pattern = torch.arange(older)
             return
