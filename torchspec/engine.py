@@ -96,6 +96,7 @@ class Engine:
                 request.finish(FinishReason.LENGTH)
             else:
                 scheduler.add(request)
+        self.runner.table.reset()
         try:
             with routed_attention(self.model):
                 while scheduler.has_work():
@@ -103,6 +104,8 @@ class Engine:
                     if not plan.scheduled:
                         raise RuntimeError("scheduler made no progress: a waiting request can never be admitted")
                     finished = scheduler.commit(plan, self.runner.run(plan))
+                    for request in finished:
+                        self.runner.table.release(request)
                     self._run_steps += 1
                     yield plan, finished
         finally:

@@ -13,6 +13,7 @@ from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.sampling import suppress_stop_tokens, warped_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
+from torchspec.slot_table import SlotTable
 from torchspec.speculative import accept_greedy, accept_sampled
 
 
@@ -40,38 +41,45 @@ class Runner:
         self.generator = generator
         self.windows = sorted({layer.sliding_window for layer in layers if layer.sliding_window is not None})
         self.num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
+        self.table = SlotTable(device)
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def build_metadata(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Input ids, positions and attention metadata of the packed batch, built once for all layers."""
+        """Input ids, positions and attention metadata of the packed batch, built once for all layers.
+
+        Host work grows with the batch and the step's query tokens, not with the context: slot lists are
+        gathered from the device slot table (see slot_table.py)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
+        token_rows: list[int] = []
         cu_seqlens_q = [0]
-        windowed = {w: ([0], []) for w in self.windows}
-        full: tuple[list[int], list[int]] = ([0], [])
+        rows, starts, ends = [], [], []
         for item in plan.scheduled:
             request, start = item.request, item.first_position
             end = start + item.num_query_tokens
+            row = self.table.row(request)
             input_ids.extend(item.query_token_ids())
             positions.extend(range(start, end))
             slot_mapping.extend(request.slots[start:end])
+            token_rows.extend([row] * item.num_query_tokens)
             cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_query_tokens)
-            for window, (indptr, indices) in windowed.items():
-                # A sliding-window layer reads only the entries some query of this step can still see.
-                indices.extend(request.slots[max(0, start - window + 1) : end])
-                indptr.append(len(indices))
-            if item.phase is not Phase.DRAFT:
-                full[1].extend(request.slots[:end])
-                full[0].append(len(full[1]))
+            rows.append(row)
+            starts.append(start)
+            ends.append(end)
+        slots = self._tensor(slot_mapping)
+        self.table.write(token_rows, positions, slots)
         num_drafts = plan.num_drafts
         scored = self._scored_queries(plan.scheduled[num_drafts:])
+        full = rows[num_drafts:], [0] * (len(rows) - num_drafts), ends[num_drafts:]
+        # A sliding-window layer reads only the entries some query of this step can still see.
+        windowed = {w: (rows, [max(0, start - w + 1) for start in starts], ends) for w in self.windows}
         metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping),
+            slot_mapping=slots,
             cu_seqlens_q=self._tensor(cu_seqlens_q),
-            windowed={w: self._view(p, i) for w, (p, i) in windowed.items()},
+            windowed={w: self._view(*ranges) for w, ranges in windowed.items()},
             full=self._view(*full),
             num_drafts=num_drafts,
             draft=self._draft_views(plan.scheduled[:num_drafts]),
@@ -82,9 +90,10 @@ class Runner:
         )
         return self._tensor(input_ids)[None], self._tensor(positions)[None], metadata
 
-    def _view(self, indptr: Sequence[int], indices: Sequence[int]) -> KVView:
-        lengths = [end - start for start, end in itertools.pairwise(indptr)]
-        return KVView(self._tensor(indptr), self._tensor(indices), max(lengths, default=0))
+    def _view(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> KVView:
+        indptr, indices = self.table.gather(rows, starts, ends)
+        lengths = [end - start for start, end in zip(starts, ends, strict=True)]
+        return KVView(self._tensor(indptr), indices, max(lengths, default=0))
 
     def _scored_queries(self, items: Sequence[ScheduledRequest]) -> list[int]:
         """Trailing queries whose attention mass the policy learns from: all queries of a verify, the last
@@ -95,32 +104,54 @@ class Runner:
         return [min(item.num_query_tokens, k_plus_1) if item.samples else 0 for item in items]
 
     def _draft_views(self, items: Sequence[ScheduledRequest]) -> dict[int, KVView]:
-        """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots).
-
-        Built for all layers at once (one gather per request, one host-to-device copy per step): per-layer
-        work here would cost more host time than the draft step's attention."""
+        """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots)."""
         if not items or self.policy.selects_in_attention:
             return {}
-        num_layers, num_heads = len(self.policy.sparse_layers), self.policy.num_kv_heads
-        positions = []
-        for item in items:
-            chosen = self.policy.draft_positions(item.request, item.first_position)
-            positions.append(chosen.expand(num_layers, num_heads, -1) if chosen.dim() == 1 else chosen)
-        view = self._per_head_view(items, positions)  # lists [layers, Hkv, N]
+        chosen = [self.policy.draft_positions(item.request, item.first_position) for item in items]
+        fixed, recent_from = zip(*chosen, strict=True)
+        view = self._draft_lists(items, fixed, recent_from)  # lists [layers, Hkv, N]
         return {
             layer: KVView(view.kv_indptr, view.kv_indices[i, : self.num_kv_heads[layer]], view.max_len)
             for i, layer in enumerate(self.policy.sparse_layers)
         }
 
-    def _per_head_view(self, items: Sequence[ScheduledRequest], positions: Sequence[torch.Tensor]) -> KVView:
-        """Per-KV-head slot lists from per-head positions (``[..., Hkv, n]`` each; -1 stays padding)."""
-        lists, indptr = [], [0]
-        for item, chosen in zip(items, positions, strict=True):
-            slots = torch.tensor(item.request.slots[: item.first_position + 1], device=chosen.device)
-            lists.append(torch.where(chosen >= 0, slots[chosen.clamp(min=0)], -1))
-            indptr.append(indptr[-1] + chosen.shape[-1])
-        max_len = max(p.shape[-1] for p in positions)
-        return KVView(self._tensor(indptr), torch.cat(lists, dim=-1).to(self.device), max_len)
+    def _draft_lists(
+        self, items: Sequence[ScheduledRequest], fixed: Sequence[torch.Tensor], recent_from: Sequence[int] | None
+    ) -> KVView:
+        """Per-KV-head slot lists of draft requests (``[layers, Hkv, N]``, or ``[Hkv, N]`` for one layer's
+        selection), built for all requests at once on the device, in a few launches whatever the batch:
+        request j reads its ``fixed[j]`` positions (``[n]`` or ``[..., Hkv, n]``; -1 stays padding) and, when
+        ``recent_from`` is given, every position from ``recent_from[j]`` to its draft position."""
+        num_layers, num_heads = len(self.policy.sparse_layers), self.policy.num_kv_heads
+        shape = (num_heads,) if fixed[0].dim() == 2 else (num_layers, num_heads)
+        fixed = [f.expand(*shape, -1) if f.dim() == 1 else f for f in fixed]
+        fixed_lengths = [f.shape[-1] for f in fixed]
+        recent_lengths = [0] * len(items)
+        if recent_from is not None:
+            recent_lengths = [item.first_position + 1 - first for item, first in zip(items, recent_from, strict=True)]
+        lengths = [a + b for a, b in zip(fixed_lengths, recent_lengths, strict=True)]
+        indptr = list(itertools.accumulate(lengths, initial=0))
+        fixed_starts = list(itertools.accumulate(fixed_lengths, initial=0))
+        recent_starts = list(itertools.accumulate(recent_lengths, initial=0))
+        rows = [self.table.row(item.request) for item in items]
+        meta = self._tensor(
+            [rows, lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1], recent_lengths, recent_starts[:-1],
+             list(recent_from or [0] * len(items))]
+        )  # fmt: skip
+        row, length, start, fixed_length, fixed_start, recent_length, recent_start, first_recent = meta
+        positions = torch.empty(*shape, indptr[-1], dtype=torch.int64, device=self.device)
+        owner = self._owners(fixed_length, fixed_starts[-1])
+        local = torch.arange(fixed_starts[-1], device=self.device) - fixed_start[owner]
+        positions[..., start[owner] + local] = torch.cat(fixed, dim=-1).to(self.device)  # one device each policy
+        owner = self._owners(recent_length, recent_starts[-1])
+        local = torch.arange(recent_starts[-1], device=self.device) - recent_start[owner]
+        positions[..., start[owner] + fixed_length[owner] + local] = first_recent[owner] + local
+        entry_rows = torch.repeat_interleave(row, length, output_size=indptr[-1])
+        return KVView(self._tensor(indptr), self.table.lookup(entry_rows, positions), max(lengths))
+
+    def _owners(self, lengths: torch.Tensor, total: int) -> torch.Tensor:
+        """For each of ``total`` concatenated entries, the index of the request it belongs to."""
+        return torch.repeat_interleave(torch.arange(len(lengths), device=self.device), lengths, output_size=total)
 
     def _draft_selector(self, items: Sequence[ScheduledRequest]):
         """For query-aware policies: pick each draft request's lists from the layer's own draft queries."""
@@ -130,12 +161,12 @@ class Runner:
         def select(layer: int, queries: torch.Tensor, k_cache: torch.Tensor, scale: float) -> KVView:
             positions = []
             for item, query in zip(items, queries, strict=True):
-                slots = self._tensor(item.request.slots[: item.first_position + 1])
+                slots = self.table.slots[self.table.row(item.request), : item.first_position + 1]
                 chosen = self.policy.select_positions(
                     item.request, item.first_position, layer, query, k_cache[slots], scale
                 )
                 positions.append(chosen.to(self.device))
-            return self._per_head_view(items, positions)
+            return self._draft_lists(items, positions, None)
 
         return select
 
@@ -143,11 +174,11 @@ class Runner:
     def run(self, plan: StepPlan) -> list[StepResult]:
         """Execute one step: the forward, the policy's learning from verify attention, token selection."""
         input_ids, position_ids, metadata = self.build_metadata(plan)
-        rows, first_row = [], []
-        for i, item in enumerate(plan.scheduled):
+        rows, first_row, end = [], [], 0
+        for item in plan.scheduled:
             first_row.append(len(rows))
+            end += item.num_query_tokens
             if item.samples:
-                end = metadata.cu_seqlens_q[i + 1].item()
                 count = item.num_query_tokens if item.phase is Phase.VERIFY else 1
                 rows.extend(range(end - count, end))
         context = PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)
@@ -176,7 +207,10 @@ class Runner:
             self.policy.on_verify(item.request, mass, first_query)
 
     def _select(self, plan: StepPlan, logits: torch.Tensor, first_row: list[int]) -> list[StepResult]:
-        """Tokens from the logits rows of each request: draft samples, verified tokens (see speculative.py)."""
+        """Tokens from the logits rows of each request: draft samples, verified tokens (see speculative.py).
+
+        Every random draw and every device-to-host transfer covers the whole step at once: per-request draws
+        would cost a host round trip each, which for hundreds of requests costs more than the forward."""
         row_params, row_output_index = [], []
         for item in plan.scheduled:
             if not item.samples:
@@ -193,46 +227,73 @@ class Runner:
         ]
         suppress_stop_tokens(logits, below_minimum, [row_params[row].stop_token_ids for row in below_minimum])
         sampled_rows = [row for row, params in enumerate(row_params) if not params.greedy]
-        probs = {}
-        if sampled_rows:
-            warped = warped_probs(logits[sampled_rows], [row_params[row] for row in sampled_rows])
-            probs = dict(zip(sampled_rows, warped, strict=True))
-        argmax = logits.argmax(dim=-1).tolist()
+        prob_index = {row: i for i, row in enumerate(sampled_rows)}
+        probs = warped_probs(logits[sampled_rows], [row_params[row] for row in sampled_rows]) if sampled_rows else None
+        tokens = logits.argmax(dim=-1)
+        drafts = [(item, row) for item, row in zip(plan.scheduled, first_row, strict=True) if item.phase is Phase.DRAFT]
+        sampled_drafts = [row for _, row in drafts if row in prob_index]
+        if sampled_drafts:
+            draws = torch.multinomial(probs[[prob_index[r] for r in sampled_drafts]], 1, generator=self.generator)
+            tokens[sampled_drafts] = draws[:, 0]
+        entropies = self._draft_entropies(logits, [row for _, row in drafts])
+        verifies = [
+            (item, row)
+            for item, row in zip(plan.scheduled, first_row, strict=True)
+            if item.samples and item.phase is not Phase.DRAFT and row in prob_index
+        ]
+        sampled = self._accept_sampled(verifies, probs, prob_index) if verifies else {}
+        argmax = tokens.tolist()
         results = []
         for item, row in zip(plan.scheduled, first_row, strict=True):
             if not item.samples:
                 results.append(StepResult())
             elif item.phase is Phase.DRAFT:
-                results.append(self._draft_result(row, argmax, probs, logits))
+                draft_probs = probs[prob_index[row]] if row in prob_index else None
+                results.append(
+                    StepResult(draft_token=argmax[row], draft_probs=draft_probs, draft_entropy=entropies.get(row))
+                )
             else:
-                results.append(self._verify_result(item, row, argmax, probs))
+                drafts_made = item.request.round.tokens if item.phase is Phase.VERIFY else []
+                if row in sampled:
+                    accepted, next_token = sampled[row]
+                    tokens_out = [*drafts_made[:accepted], next_token]
+                else:
+                    accepted, tokens_out = accept_greedy(argmax[row : row + len(drafts_made) + 1], drafts_made)
+                results.append(StepResult(tokens=tokens_out, num_accepted=accepted))
         return results
 
-    def _draft_result(
-        self, row: int, argmax: list[int], probs: dict[int, torch.Tensor], logits: torch.Tensor
-    ) -> StepResult:
-        entropy = None
-        if self.policy.uses_draft_entropy:
-            log_probs = logits[row].log_softmax(dim=-1)
-            entropy = float(-(log_probs.exp() * log_probs).nan_to_num().sum())
-        if row not in probs:
-            return StepResult(draft_token=argmax[row], draft_entropy=entropy)
-        token = int(torch.multinomial(probs[row], 1, generator=self.generator))
-        return StepResult(draft_token=token, draft_probs=probs[row], draft_entropy=entropy)
+    def _draft_entropies(self, logits: torch.Tensor, rows: list[int]) -> dict[int, float]:
+        """Predictive entropy of each draft row, for policies that steer the round length by it."""
+        if not rows or not self.policy.uses_draft_entropy:
+            return {}
+        log_probs = logits[rows].log_softmax(dim=-1)
+        entropy = -(log_probs.exp() * log_probs).nan_to_num().sum(dim=-1)
+        return dict(zip(rows, entropy.tolist(), strict=True))
 
-    def _verify_result(
-        self, item: ScheduledRequest, row: int, argmax: list[int], probs: dict[int, torch.Tensor]
-    ) -> StepResult:
-        drafts = item.request.round.tokens if item.phase is Phase.VERIFY else []
-        count = len(drafts) + 1
-        if row not in probs:
-            accepted, tokens = accept_greedy(argmax[row : row + count], drafts)
-        else:
-            target = torch.stack([probs[r] for r in range(row, row + count)])
-            draft_probs = item.request.round.probs
-            if drafts and draft_probs[0] is None:  # proposed tokens: a point mass on each proposal
-                draft_probs = [
-                    torch.nn.functional.one_hot(torch.tensor(t), target.shape[-1]).to(target) for t in drafts
-                ]
-            accepted, tokens = accept_sampled(target, drafts, draft_probs, self.generator)
-        return StepResult(tokens=tokens, num_accepted=accepted)
+    def _accept_sampled(
+        self, verifies: list[tuple[ScheduledRequest, int]], probs: torch.Tensor, prob_index: dict[int, int]
+    ) -> dict[int, tuple[int, int]]:
+        """Rejection sampling of every sampled verify (and final prefill chunk) of the step in one batch:
+        ``{first row: (accepted drafts, next token)}``. Proposed drafts (n-gram) count as point masses."""
+        rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item, _ in verifies]
+        n = max(len(tokens) for tokens in rounds)
+        target_rows = [
+            [prob_index[row + min(i, len(t))] for i in range(n + 1)]
+            for (_, row), t in zip(verifies, rounds, strict=True)
+        ]
+        target = probs[torch.tensor(target_rows, device=probs.device)]
+        drafts = self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
+        draft_probs = torch.zeros(len(rounds), n, probs.shape[-1], dtype=probs.dtype, device=probs.device)
+        stored = [(j, i, p) for j, (item, _) in enumerate(verifies) for i, p in enumerate(item.request.round.probs)]
+        computed = [(j, i, p) for j, i, p in stored if p is not None]
+        if computed:
+            j_index, i_index, rows = zip(*computed, strict=True)
+            draft_probs[list(j_index), list(i_index)] = torch.stack(rows)
+        proposed = [(j, i) for j, i, p in stored if p is None]
+        if proposed:
+            j_index, i_index = zip(*proposed, strict=True)
+            draft_probs[list(j_index), list(i_index), drafts[list(j_index), list(i_index)]] = 1.0
+        num_drafts = torch.tensor([len(t) for t in rounds], device=probs.device)
+        accepted, next_token = accept_sampled(target, drafts, draft_probs, num_drafts, self.generator)
+        pairs = zip(accepted.tolist(), next_token.tolist(), strict=True)
+        return {row: pair for (_, row), pair in zip(verifies, pairs, strict=True)}

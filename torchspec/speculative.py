@@ -24,21 +24,33 @@ def accept_greedy(target_tokens: Sequence[int], drafts: Sequence[int]) -> tuple[
 
 def accept_sampled(
     target_probs: torch.Tensor,
-    drafts: Sequence[int],
-    draft_probs: Sequence[torch.Tensor],
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    num_drafts: torch.Tensor,
     generator: torch.Generator | None = None,
-) -> tuple[int, list[int]]:
-    """Rejection sampling: ``target_probs`` is ``[len(drafts) + 1, V]``, ``draft_probs[i]`` is ``[V]``."""
-    uniforms = torch.rand(len(drafts), generator=generator, device=target_probs.device).tolist()
-    for i, token in enumerate(drafts):
-        target, draft = target_probs[i], draft_probs[i]
-        p, q = float(target[token]), float(draft[token])
-        if uniforms[i] * q < p:  # u < p/q without dividing; strict, so p = 0 is never accepted (u can be 0)
-            continue
-        residual = (target - draft).clamp(min=0)
-        if float(residual.sum()) <= 0:  # p == q up to rounding: any sample from p is exact
-            residual = target
-        corrected = int(torch.multinomial(residual, 1, generator=generator))
-        return i, [*drafts[:i], corrected]
-    bonus = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
-    return len(drafts), [*drafts, bonus]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling for a batch of rounds at once (one random draw per tensor, no host round trip).
+
+    ``target_probs`` is ``[J, n + 1, V]`` (after the newest token and after each draft), ``drafts`` ``[J, n]``
+    and ``draft_probs`` ``[J, n, V]`` (entries past ``num_drafts[j]`` are padding). Returns ``accepted[j]``,
+    the drafts kept, and ``next_token[j]``, the corrected token after a rejection or the bonus token after
+    full acceptance: round j emits ``drafts[j, :accepted[j]]`` then ``next_token[j]``.
+    """
+    num_rounds, n = drafts.shape
+    device = target_probs.device
+    uniforms = torch.rand(num_rounds, n, generator=generator, device=device)
+    p = target_probs[:, :n].gather(2, drafts[..., None])[..., 0]
+    q = draft_probs.gather(2, drafts[..., None])[..., 0]
+    steps = torch.arange(n, device=device)
+    # u < p / q without dividing; strict, so p = 0 is never accepted (u can be 0)
+    rejected = (steps < num_drafts[:, None]) & ~(uniforms * q < p)
+    first_rejected = torch.where(rejected, steps, n).amin(dim=1) if n else num_drafts.new_zeros(num_rounds)
+    accepted = first_rejected.minimum(num_drafts)
+    rounds = torch.arange(num_rounds, device=device)
+    target = target_probs[rounds, accepted]
+    padded_drafts = torch.cat([draft_probs, torch.zeros_like(target)[:, None]], dim=1)
+    residual = (target - padded_drafts[rounds, accepted]).clamp(min=0)  # after full acceptance: p itself
+    # p == q up to rounding leaves no residual mass: any sample from p is then exact
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target)
+    next_token = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    return accepted, next_token

@@ -102,6 +102,14 @@ class DraftCall:
     recent_start: int
 
 
+def attended_positions(chosen: tuple[torch.Tensor, int], position: int) -> torch.Tensor:
+    """Every position a draft step reads, from a policy's ``draft_positions``: its fixed positions, then the
+    recent run up to the draft position."""
+    fixed, first_recent = chosen
+    recent = torch.arange(first_recent, position + 1, device=fixed.device)
+    return torch.cat([fixed, recent.expand(*fixed.shape[:-1], -1)], dim=-1)
+
+
 @dataclass
 class Recorder:
     """Spies on a wrapper's runner (every step's plan and results) and draft policy (every draft step's
@@ -145,13 +153,14 @@ class Recorder:
         name = "select_positions" if policy.selects_in_attention else "draft_positions"
         positions_of = getattr(policy, name)
 
-        def spy_positions(request: Request, position: int, *args: Any) -> torch.Tensor:
-            positions = positions_of(request, position, *args)
+        def spy_positions(request: Request, position: int, *args: Any) -> Any:
+            chosen = positions_of(request, position, *args)
+            positions = chosen if policy.selects_in_attention else attended_positions(chosen, position)
             state = request.round
             recorder.draft_calls.append(
                 DraftCall(request.request_id, position, positions, state.pattern, state.recent_start)
             )
-            return positions
+            return chosen
 
         monkeypatch.setattr(policy, name, spy_positions)
         return recorder
@@ -544,10 +553,11 @@ def test_pillar_pattern_is_top_k_of_the_verify_mass(spec, monkeypatch):
         state = request.round
         events.append(PillarVerify(request.request_id, list(mass), first_query, state.pattern, state.recent_start))
 
-    def spy_positions(request: Request, position: int) -> torch.Tensor:
-        positions = draft_positions(request, position)
+    def spy_positions(request: Request, position: int) -> tuple[torch.Tensor, int]:
+        chosen = draft_positions(request, position)
+        positions = attended_positions(chosen, position)
         events.append(DraftCall(request.request_id, position, positions, request.round.pattern, 0))
-        return positions
+        return chosen
 
     monkeypatch.setattr(policy, "on_verify", spy_verify)
     monkeypatch.setattr(policy, "draft_positions", spy_positions)
@@ -647,7 +657,7 @@ def test_pillar_top_k_of_a_synthetic_mass():
     assert torch.equal(request.round.pattern, expected)
     assert request.round.recent_start == first_query
     assert policy.ready(request)
-    positions = policy.draft_positions(request, 97)
+    positions = attended_positions(policy.draft_positions(request, 97), 97)
     assert torch.equal(positions, torch.cat([expected, torch.tensor([95, 96, 97]).expand(2, 2, -1)], dim=-1))
 
 
@@ -659,7 +669,7 @@ def test_pillar_budget_covering_older_positions_keeps_them_all():
     mass = [torch.rand(2, 100) for _ in policy.sparse_layers]
     policy.on_verify(request, torch.stack(mass), 95)
     assert torch.equal(request.round.pattern, torch.arange(95))
-    assert torch.equal(policy.draft_positions(request, 98), torch.arange(99))
+    assert torch.equal(attended_positions(policy.draft_positions(request, 98), 98), torch.arange(99))
 
 
 def test_pillar_budget_below_the_verify_queries_keeps_only_recent_positions():
@@ -669,7 +679,9 @@ def test_pillar_budget_below_the_verify_queries_keeps_only_recent_positions():
     request = _request()
     policy.on_verify(request, torch.rand(len(policy.sparse_layers), 2, 100), 91)
     assert request.round.pattern.shape == (2, 2, 0)
-    assert torch.equal(policy.draft_positions(request, 93), torch.arange(91, 94).expand(2, 2, -1))
+    assert torch.equal(
+        attended_positions(policy.draft_positions(request, 93), 93), torch.arange(91, 94).expand(2, 2, -1)
+    )
 
 
 def test_default_draft_is_pillar_recent_with_window_and_successors():
@@ -703,12 +715,12 @@ def test_pillar_recent_pattern_within_budget():
             expected = {p + j for p in top[layer, head].tolist() for j in range(5) if p + j < 931}
             row = pattern[layer, head]
             assert set(row[row >= 0].tolist()) == expected
-    assert policy.draft_positions(request, 996).shape[-1] <= 128 + 1
+    assert attended_positions(policy.draft_positions(request, 996), 996).shape[-1] <= 128 + 1
     small = POLICIES["pillar_recent"](SpecConfig(k=4, min_budget=32, sparsity=0.01), _layer_specs([None]))
     request = _request(300)
     small.on_verify(request, torch.rand(1, 2, 300), 295)
     assert request.round.recent_start == 295 - 16  # the window shrank to half the budget
-    assert small.draft_positions(request, 295).shape[-1] <= 32
+    assert attended_positions(small.draft_positions(request, 295), 295).shape[-1] <= 32
 
 
 def test_head_budgets_share_the_picks_by_attention_mass():

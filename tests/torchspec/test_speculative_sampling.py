@@ -202,13 +202,18 @@ def test_accept_sampled_is_exact(name):
     # what the following decode steps would sample, given the tokens so far: [V, trials] and [V * V, trials]
     next_second = torch.multinomial(p1.float(), UNIT_TRIALS, replacement=True, generator=g)
     next_third = torch.multinomial(p2.reshape(-1, UNIT_VOCAB).float(), UNIT_TRIALS, replacement=True, generator=g)
-    accept_generator = torch.Generator().manual_seed(99)
+    target = torch.stack([p0.expand(UNIT_TRIALS, -1), p1[d1], p2[d1, d2]], dim=1).float()
+    draft_probs = torch.stack([q0.expand(UNIT_TRIALS, -1), q1[d1]], dim=1).float()
+    num_drafts = torch.full((UNIT_TRIALS,), 2)
+    accepted, next_token = accept_sampled(
+        target, torch.stack([d1, d2], dim=1), draft_probs, num_drafts, torch.Generator().manual_seed(99)
+    )
     emitted, first_accepted = [], 0
-    for trial, (a, b) in enumerate(zip(d1.tolist(), d2.tolist(), strict=True)):
-        target = torch.stack([p0, p1[a], p2[a, b]]).float()
-        accepted, tokens = accept_sampled(target, [a, b], [q0.float(), q1[a].float()], accept_generator)
-        assert tokens[:accepted] == [a, b][:accepted] and len(tokens) == accepted + 1
-        first_accepted += accepted >= 1
+    for trial, (a, b, kept, corrected) in enumerate(
+        zip(d1.tolist(), d2.tolist(), accepted.tolist(), next_token.tolist(), strict=True)
+    ):
+        tokens = [*[a, b][:kept], corrected]
+        first_accepted += kept >= 1
         if len(tokens) == 1:
             tokens.append(int(next_second[tokens[0], trial]))
         if len(tokens) == 2:
@@ -238,9 +243,15 @@ def test_accept_sampled_never_accepts_a_zero_probability_draft(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.zeros(*shape, dtype=torch.float32))
     target = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
     for draft_probs in (torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.4, 0.3, 0.3])):
-        accepted, tokens = accept_sampled(target, [0], [draft_probs], torch.Generator().manual_seed(0))
-        assert accepted == 0, f"draft 0 has target probability 0 but was accepted (q = {draft_probs.tolist()})"
-        assert tokens[0] != 0
+        accepted, next_token = accept_sampled(
+            target[None],
+            torch.tensor([[0]]),
+            draft_probs[None, None],
+            torch.tensor([1]),
+            torch.Generator().manual_seed(0),
+        )
+        assert int(accepted) == 0, f"draft 0 has target probability 0 but was accepted (q = {draft_probs.tolist()})"
+        assert int(next_token) != 0
 
 
 # -- the engine end to end -----------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def measure(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(seed)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = wrapped.generate_batch(
         [list(p) for p in prompts],
         max_new_tokens=max_new_tokens,
@@ -47,7 +47,7 @@ def measure(
         do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else 1.0,
     )
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = wrapped.last_stats
     generated = sum(len(o.token_ids) for o in outputs)
     return {
@@ -59,6 +59,9 @@ def measure(
         "seconds": seconds,
         "tokens_per_s": generated / seconds,
         "steps": stats.steps,
+        "ms_per_step": 1e3 * seconds / max(stats.steps, 1),
+        "cpu_ms_per_step": 1e3 * cpu_seconds / max(stats.steps, 1),  # host time (all threads) per engine step
+        "options": {name: str(value) for name, value in options.items()},
         "mean_accepted": stats.mean_accepted,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -76,15 +79,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafts", nargs="+", default=["none", "pillar_recent"], choices=["none", *DRAFT_POLICIES])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model forward")
     parser.add_argument("--out", help="append one JSON line per draft setting")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.prompts)]
     for draft in args.drafts:
-        record = measure(model, prompts, None if draft == "none" else draft, args.max_new_tokens, args.temperature)
+        options = {"compile": True} if args.compile else {}
+        draft_name = None if draft == "none" else draft
+        record = measure(model, prompts, draft_name, args.max_new_tokens, args.temperature, **options)
         print(
             f"draft={draft}: {record['generated_tokens']} tokens in {record['seconds']:.1f} s, "
-            f"{record['tokens_per_s']:.1f} tok/s, {record['steps']} steps, mean accepted {record['mean_accepted']:.2f}"
+            f"{record['tokens_per_s']:.1f} tok/s, {record['steps']} steps ({record['ms_per_step']:.1f} ms, "
+            f"host {record['cpu_ms_per_step']:.1f} ms each), mean accepted {record['mean_accepted']:.2f}"
         )
         if args.out:
             with open(args.out, "a") as sink:

@@ -50,9 +50,12 @@ class DraftPolicy:
         """Token proposers: up to ``max_tokens`` draft tokens to verify next."""
         raise NotImplementedError
 
-    def draft_positions(self, request: Request, position: int) -> torch.Tensor:
-        """Positions the draft step at ``position`` attends to, ending with ``position`` itself: ``[n]`` shared by
-        all sparse layers and KV heads, or ``[len(sparse_layers), num_kv_heads, n]``."""
+    def draft_positions(self, request: Request, position: int) -> tuple[torch.Tensor, int]:
+        """What the draft step at ``position`` attends to: positions fixed for the round (``[n]`` shared by all
+        sparse layers and KV heads, or ``[len(sparse_layers), num_kv_heads, n]``, -1 = padding, kept on the
+        device where the policy made them) and the first of the recent positions: the step also attends to
+        every position from it to ``position`` itself. Split so the runner appends the recent run for all
+        requests at once, on the device."""
         raise NotImplementedError
 
     def select_positions(

@@ -44,26 +44,23 @@ class PillarPolicy(DraftPolicy):
         super().on_verify(request, mass, older)
         sinks = min(self.num_sinks, older)
         num_selected = min(older - sinks, max(0, budget - (context - older) - sinks))
+        device = mass.device if mass is not None else None
         if num_selected == older - sinks or mass is None:  # the budget covers it all, or no layer drafts sparsely
-            request.round.pattern = torch.arange(older)
+            request.round.pattern = torch.arange(older, device=device)
             return
         num_selected = int(num_selected * self.verify_share)
         scores = mass[..., sinks:older]  # [layers, Hkv, candidates]
         span = self.successors + 1
         count = max(1, num_selected // span) if num_selected else 0
         picks = _head_budget_picks(scores, count) if self.config.head_budgets else scores.topk(count, dim=-1).indices
-        picks = picks.cpu()
         pattern = _expand_successors(torch.where(picks >= 0, picks + sinks, -1), span, older)
         if sinks:
-            pattern = torch.cat([torch.arange(sinks).expand(*pattern.shape[:2], -1), pattern], dim=-1)
-        request.round.pattern = pattern
+            sink_positions = torch.arange(sinks, device=device).expand(*pattern.shape[:2], -1)
+            pattern = torch.cat([sink_positions, pattern], dim=-1)
+        request.round.pattern = pattern  # stays on the device: the runner builds draft lists there
 
-    def draft_positions(self, request: Request, position: int) -> torch.Tensor:
-        pattern = request.round.pattern
-        recent = torch.arange(request.round.recent_start, position + 1)
-        if pattern.dim() == 1:
-            return torch.cat([pattern, recent])
-        return torch.cat([pattern, recent.expand(*pattern.shape[:2], -1)], dim=-1)
+    def draft_positions(self, request: Request, position: int) -> tuple[torch.Tensor, int]:
+        return request.round.pattern, request.round.recent_start
 
 
 def _head_budget_picks(scores: torch.Tensor, count: int) -> torch.Tensor:
@@ -85,7 +82,7 @@ def _expand_successors(picks: torch.Tensor, span: int, limit: int) -> torch.Tens
     the successors of -1 picks become -1 (padding that attention skips), so every row keeps the same length."""
     if span == 1:
         return picks.sort(dim=-1).values
-    positions = torch.where(picks[..., None] >= 0, picks[..., None] + torch.arange(span), -1)
+    positions = torch.where(picks[..., None] >= 0, picks[..., None] + torch.arange(span, device=picks.device), -1)
     positions = positions.flatten(-2).sort(dim=-1).values
     repeated = torch.zeros_like(positions, dtype=torch.bool)
     repeated[..., 1:] = positions[..., 1:] == positions[..., :-1]

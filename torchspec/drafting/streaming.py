@@ -13,10 +13,10 @@ class StreamingPolicy(DraftPolicy):
 
     name = "streaming"
 
-    def draft_positions(self, request: Request, position: int) -> torch.Tensor:
+    def draft_positions(self, request: Request, position: int) -> tuple[torch.Tensor, int]:
         context = position + 1
         budget = self.budget(context)
         if budget >= context:
-            return torch.arange(context)
+            return torch.arange(0), 0
         sinks = min(self.config.num_sinks, budget)
-        return torch.cat([torch.arange(sinks), torch.arange(context - (budget - sinks), context)])
+        return torch.arange(sinks), context - (budget - sinks)
