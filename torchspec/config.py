@@ -51,7 +51,9 @@ class SpecConfig:
         unified_schedule: mix draft and verify requests in every step (phase buckets).
         compile: ``torch.compile`` the model forward (attention stays one opaque custom op per layer);
             ``None`` = off until its speed-up is measured (then: on where it pays).
-        cuda_graphs: capture CUDA graphs for padded step sizes; ``None`` = on where available (CUDA).
+        cuda_graphs: replay the forward of one-token steps (plain decoding, drafts) from CUDA graphs captured
+            per padded batch size; on a CPU the same padded static path runs without capture (same tokens).
+            ``None`` = off until measured (then: on with CUDA).
         attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device) or
             ``"auto"`` (Triton on CUDA, the reference elsewhere).
     """
@@ -109,11 +111,7 @@ class SpecConfig:
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")
         for name in ("compile", "cuda_graphs"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")
-        for name in ("offload", "cuda_graphs"):
-            _require(
-                not getattr(self, name),
-                f"{name}=True is not available in this release; leave it at its default",
-            )
+        _require(not self.offload, "offload=True is not available in this release; leave it at its default")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> SpecConfig:

@@ -44,7 +44,16 @@ class Engine:
         self.policy = make_policy(config, layers)
         ops = attention.load_ops(config.attention_backend, self.device)
         self.runner = Runner(
-            model, self.pool, layers, ops, self.device, self.policy, generator, compile_model=bool(config.compile)
+            model,
+            self.pool,
+            layers,
+            ops,
+            self.device,
+            self.policy,
+            generator,
+            compile_model=bool(config.compile),
+            cuda_graphs=bool(config.cuda_graphs),
+            max_batch_size=config.max_batch_size,
         )
         self.num_draft_slots = config.k if self.policy is not None else 0
         self._run_start = time.perf_counter()

@@ -51,11 +51,13 @@ class SlotAllocator:
 
 
 class KVPool:
-    """One K and one V tensor per layer, ``[num_slots, num_kv_heads, head_dim]``; layers may differ in shape."""
+    """One K and one V tensor per layer, ``[num_slots + 1, num_kv_heads, head_dim]``; layers may differ in shape.
+    The extra row, ``scratch_slot``, is never allocated: padding tokens of a captured step write there."""
 
     def __init__(self, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num_slots = num_slots
-        self.k = [torch.empty(num_slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layers]
+        self.scratch_slot = num_slots
+        self.k = [torch.empty(num_slots + 1, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layers]
         self.v = [torch.empty_like(k) for k in self.k]
         self.allocator = SlotAllocator(num_slots)
 

@@ -8,6 +8,7 @@ from types import ModuleType
 
 import torch
 
+from torchspec.cuda_graphs import StepGraphs
 from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 from torchspec.kv_cache import KVPool, LayerSpec
@@ -30,6 +31,8 @@ class Runner:
         policy: DraftPolicy | None = None,
         generator: torch.Generator | None = None,
         compile_model: bool = False,
+        cuda_graphs: bool = False,
+        max_batch_size: int = 256,
     ) -> None:
         self.model = model
         # Dynamic shapes: the packed token count changes every step; attention is one opaque op per layer.
@@ -39,9 +42,14 @@ class Runner:
         self.device = device
         self.policy = policy
         self.generator = generator
+        self.num_draft_slots = policy.config.k if policy is not None else 0
         self.windows = sorted({layer.sliding_window for layer in layers if layer.sliding_window is not None})
         self.num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
         self.table = SlotTable(device)
+        self.graphs = None
+        if cuda_graphs:
+            sparse = {layer: self.num_kv_heads[layer] for layer in (policy.sparse_layers if policy else [])}
+            self.graphs = StepGraphs(self.forward, pool, ops, sparse, max_batch_size, device)
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -181,13 +189,18 @@ class Runner:
             if item.samples:
                 count = item.num_query_tokens if item.phase is Phase.VERIFY else 1
                 rows.extend(range(end - count, end))
-        context = PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)
-        with forward_context(context):
-            output = self.forward(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=self._tensor(rows)
-            )
+        if self.graphs is not None and self.graphs.eligible(metadata, len(plan.scheduled)):
+            max_list_len = max(item.request.max_total_tokens for item in plan.scheduled) + self.num_draft_slots
+            logits = self.graphs.logits(input_ids, position_ids, metadata, max_list_len)
+        else:
+            context = PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)
+            with forward_context(context):
+                output = self.forward(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=self._tensor(rows)
+                )
+            logits = output.logits[0]
         self._learn_from_verify(plan, metadata)
-        return self._select(plan, output.logits[0].float(), first_row)
+        return self._select(plan, logits.float(), first_row)
 
     def _learn_from_verify(self, plan: StepPlan, metadata: AttentionMetadata) -> None:
         if self.policy is None:

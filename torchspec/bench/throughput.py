@@ -80,12 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model forward")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay one-token steps from CUDA graphs")
     parser.add_argument("--out", help="append one JSON line per draft setting")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.prompts)]
     for draft in args.drafts:
-        options = {"compile": True} if args.compile else {}
+        options = {"compile": args.compile or None, "cuda_graphs": args.cuda_graphs or None}
         draft_name = None if draft == "none" else draft
         record = measure(model, prompts, draft_name, args.max_new_tokens, args.temperature, **options)
         print(

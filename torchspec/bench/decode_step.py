@@ -1,0 +1,99 @@
+"""One decode step of a full batch at a long context, against the HBM roofline.
+
+    python -m torchspec.bench.decode_step --batch 256 --context 4096 --cuda-graphs --out step.jsonl
+
+Prefills ``--batch`` requests of ``--context`` prompt tokens (token ids drawn at random: the attention
+and matmul work of a step does not depend on the text), then times ``--steps`` plain decoding steps
+(``draft=None``, greedy) one by one: wall time per step (the step ends when its tokens reach the host)
+and the host CPU time it took. Roofline: the bytes a step must read (every weight once, and each request's
+K/V) over the H200's 4.8 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from torchspec import sparsespec
+from torchspec.kv_cache import bytes_per_token
+from torchspec.models import load_model
+from torchspec.request import SamplingParams
+from torchspec.scheduler import Phase
+
+PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
+
+
+def measure(model: torch.nn.Module, batch: int, context: int, steps: int, seed: int = 0, **options) -> dict:
+    """Time ``steps`` decode steps of ``batch`` requests whose contexts start at ``context`` tokens."""
+    wrapped = sparsespec.wrap(model, draft=None, max_batch_size=batch, **options)
+    engine = wrapped.engine
+    vocab = engine.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_new_tokens=steps + 1, min_new_tokens=steps + 1)
+    requests = [
+        engine.new_request(i, torch.randint(vocab, (context,), generator=generator).tolist(), params)
+        for i in range(batch)
+    ]
+    timings: list[tuple[float, float, int]] = []  # (wall s, host s, summed context) per decode step
+    last_wall, last_cpu = time.perf_counter(), time.process_time()
+    for plan, _ in tqdm(engine.steps(requests), desc="steps", unit="step"):
+        wall, cpu = time.perf_counter(), time.process_time()
+        decode = all(item.phase is Phase.VERIFY and item.num_query_tokens == 1 for item in plan.scheduled)
+        if decode and len(plan.scheduled) == batch:
+            timings.append((wall - last_wall, cpu - last_cpu, sum(i.first_position + 1 for i in plan.scheduled)))
+        last_wall, last_cpu = wall, cpu
+    timings = timings[2:]  # the first decode steps capture graphs / compile
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = statistics.median(t[2] for t in timings) * bytes_per_token(wrapped.layers, engine.dtype)
+    roofline_s = (weight_bytes + kv_bytes) / PEAK_BYTES_PER_S
+    step_s = statistics.median(t[0] for t in timings)
+    return {
+        "batch": batch,
+        "context": context,
+        "steps_timed": len(timings),
+        "step_ms": 1e3 * step_s,
+        "host_ms": 1e3 * statistics.median(t[1] for t in timings),
+        "roofline_ms": 1e3 * roofline_s,
+        "x_roofline": step_s / roofline_s,
+        "weight_gb": weight_bytes / 1e9,
+        "kv_gb": kv_bytes / 1e9,
+        "tokens_per_s": batch / step_s,
+        "options": {name: str(value) for name, value in options.items()},
+        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+        "dtype": str(engine.dtype),
+        "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="local HF directory or .gguf (default: embedded SmolLM2)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model forward")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs")
+    parser.add_argument("--out", help="append one JSON line")
+    args = parser.parse_args(argv)
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
+    options = {"compile": args.compile or None, "cuda_graphs": args.cuda_graphs or None}
+    record = measure(model, args.batch, args.context, args.steps, **options)
+    print(
+        f"batch {args.batch} x context {args.context}: {record['step_ms']:.2f} ms per decode step "
+        f"(host {record['host_ms']:.2f} ms), roofline {record['roofline_ms']:.2f} ms "
+        f"({record['weight_gb']:.2f} GB weights + {record['kv_gb']:.2f} GB K/V): {record['x_roofline']:.2f}x"
+    )
+    if args.out:
+        with open(args.out, "a") as sink:
+            sink.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
