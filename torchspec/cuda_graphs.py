@@ -1,19 +1,24 @@
-"""CUDA graphs for one-token steps: plain decoding and draft steps, most of a long generation's steps.
+"""CUDA graphs for decoding steps: any mix of draft steps and verify (or plain decode) steps, no prefill.
 
 A step's eager forward costs the host a Python call per module and a launch per kernel (tens of ms for a
-30-layer model at batch 256, far above the GPU time of the step). Here the forward of a batch padded to
-a bucket size is captured once per (bucket, draft or decode) and replayed: every step copies its inputs
-and slot lists into the bucket's static buffers (fixed addresses the graph reads) and replays.
+30-layer model at batch 256, far above the GPU time of the step). Here the forward of a step padded to a
+bucket is captured once and replayed: every step copies its inputs, slot lists and query offsets into the
+bucket's static buffers (fixed addresses the graph reads) and replays. A bucket is (draft requests, verify
+requests), each padded to a bucket size; every verify request has room for ``verify_tokens`` (k + 1) query
+tokens, so the unified batch of the phase scheduler (~B/(k+1) verifies next to ~B k/(k+1) drafts) reuses a
+few graphs.
 
-What makes replay exact: padding requests get empty slot lists and write their K/V to the pool's scratch
-slot; the attention kernels read each request's list length from the device (split sizes adapt to it), so
-the grid fixed at capture covers any lengths; the launch hints fixed at capture only affect speed. On a CPU
-the same static path runs without capture (tested in CI: same tokens as the dynamic path).
+Static layout of a bucket (D' drafts, V' verifies, q tokens each): tokens ``[D real drafts | D' - D padding
+drafts | verify tokens | padding]``; padding drafts own one token, an empty slot list and the scratch slot;
+padding verifies own no token and an empty list; trailing padding tokens belong to no request (their rows
+are computed and never read). Exact on replay because the kernels read every query offset and list length
+from the device and adapt their split sizes to them; the launch hints fixed at capture only affect speed.
+On a CPU the same static path runs without capture (tested in CI: same tokens as the dynamic path).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -24,29 +29,30 @@ from torchspec.kv_cache import KVPool
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
-    """Padded batch sizes: powers of two to 32, then every 32 (a step pads at most 31 requests past 32)."""
+    """Padded request counts: powers of two to 32, then every 32 (a step pads at most 31 requests past 32)."""
     small = [size for size in (1, 2, 4, 8, 16, 32) if size < max_batch_size]
     return [*small, *range(64, max_batch_size, 32), max_batch_size]
 
 
 @dataclass
 class _StaticStep:
-    """One bucket's fixed-address inputs, metadata and (once captured) graph and output."""
+    """One bucket's fixed-address inputs and metadata, and (once captured) its graph and outputs."""
 
-    size: int
-    drafts: bool
-    input_ids: torch.Tensor  # [1, size]
-    position_ids: torch.Tensor  # [1, size]
-    rows: torch.Tensor  # [size]: every token samples
+    num_drafts: int  # D'
+    num_verifies: int  # V'
+    input_ids: torch.Tensor  # [1, T']
+    position_ids: torch.Tensor  # [1, T']
+    rows: torch.Tensor  # [T']: token rows whose logits the step keeps (padding: row 0)
     metadata: AttentionMetadata
-    list_capacity: int  # entries the slot-list buffer holds
+    draft_capacity: int  # entries each draft-list buffer holds
+    full_capacity: int
+    draft_lists: dict[int, torch.Tensor] = field(default_factory=dict)  # per sparse layer: [Hkv, capacity]
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
-    layer_lists: dict[int, torch.Tensor] = field(default_factory=dict)  # draft steps: [Hkv, capacity] per layer
 
 
 class StepGraphs:
-    """Captures and replays the forward of one-token steps padded to bucket sizes."""
+    """Captures and replays the forward of decoding steps padded to (draft, verify) buckets."""
 
     def __init__(
         self,
@@ -54,6 +60,8 @@ class StepGraphs:
         pool: KVPool,
         ops: ModuleType,
         sparse_layers: dict[int, int],
+        verify_tokens: int,
+        scores: bool,
         max_batch_size: int,
         device: torch.device,
     ) -> None:
@@ -61,81 +69,103 @@ class StepGraphs:
         self.pool = pool
         self.ops = ops
         self.sparse_layers = sparse_layers  # draft-reading layer -> its KV heads
+        self.verify_tokens = verify_tokens  # query tokens a verify request may hold (k + 1; 1 without drafts)
+        self.scores = scores  # verify steps also return PillarAttn's attention mass
         self.buckets = bucket_sizes(max_batch_size)
         self.device = device
         self.capture = device.type == "cuda"
-        self.memory_pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self._steps: dict[tuple[int, bool], _StaticStep] = {}
+        self._steps: dict[tuple[int, int], _StaticStep] = {}
 
-    @staticmethod
-    def eligible(metadata: AttentionMetadata, num_requests: int) -> bool:
-        """One query token per request, all drafts or none, nothing decided inside the forward (query-aware
-        draft selection, verify scores) and no sliding-window layers."""
+    def eligible(self, metadata: AttentionMetadata, prefill: bool) -> bool:
+        """No prefill chunk, no query longer than a verify, nothing chosen inside the forward (query-aware
+        draft selection) and no sliding-window layers."""
         return (
-            metadata.max_q_len == 1
-            and metadata.num_drafts in (0, num_requests)
+            not prefill
+            and metadata.max_q_len <= self.verify_tokens
             and metadata.draft_select is None
-            and metadata.num_scored_queries is None
             and not metadata.windowed
         )
 
     def logits(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata, max_list_len: int
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        metadata: AttentionMetadata,
+        rows: Sequence[int],
+        max_list_len: int,
     ) -> torch.Tensor:
-        """The step's logits ``[num_requests, V]``: its inputs copied into its bucket, the bucket's graph replayed
-        (captured on first use, and again when the slot lists outgrow the buffers). ``max_list_len`` bounds
-        the full lists of the running requests over their whole generation (a launch hint)."""
-        num_requests = input_ids.shape[1]
-        drafts = metadata.num_drafts > 0
-        size = next(size for size in self.buckets if size >= num_requests)
-        lists = self._lists(metadata)
-        step = self._steps.get((size, drafts))
-        if step is None or lists.kv_indices.shape[-1] > step.list_capacity:
-            capacity = max(lists.kv_indices.shape[-1], 2 * step.list_capacity if step else 0, size * 256)
-            hint = lists.max_len if drafts else max_list_len  # split counts fixed at capture: sized for the longest
-            step = self._steps[(size, drafts)] = self._static_step(size, drafts, capacity, hint)
-        self._fill(step, input_ids, position_ids, metadata, lists)
+        """The logits of ``rows`` (token indices of the dynamic packing), from the step's bucket graph, replayed
+        (captured on first use, and again when the slot lists outgrow the buffers). Fills ``metadata.mass``
+        with the bucket's verify scores. ``max_list_len`` bounds the running requests' full lists over their
+        whole generation (a launch hint)."""
+        num_drafts = metadata.num_drafts
+        num_verifies = metadata.full.kv_indptr.shape[0] - 1
+        key = (self._bucket(num_drafts), self._bucket(num_verifies))
+        draft_count = metadata.draft[next(iter(self.sparse_layers))].kv_indices.shape[-1] if num_drafts else 0
+        full_count = metadata.full.kv_indices.shape[-1]
+        step = self._steps.get(key)
+        if step is None or draft_count > step.draft_capacity or full_count > step.full_capacity:
+            draft_hint = metadata.draft[next(iter(self.sparse_layers))].max_len if num_drafts else 0
+            step = self._steps[key] = self._static_step(
+                *key,
+                draft_capacity=max(2 * draft_count, 2 * step.draft_capacity if step else 0),
+                full_capacity=max(2 * full_count, key[1] * max_list_len),
+                draft_hint=draft_hint,
+                full_hint=max_list_len,
+            )
+        self._fill(step, input_ids, position_ids, metadata, rows)
         if not self.capture:
-            return self._run_forward(step)[:num_requests]
-        if step.graph is None:
-            self._capture(step)
-        step.graph.replay()
-        return step.logits[:num_requests]
-
-    def _lists(self, metadata: AttentionMetadata) -> KVView:
-        """The lists the step reads: the draft lists (any layer's: all share indptr and length) or the full."""
-        if metadata.num_drafts:
-            return metadata.draft[next(iter(self.sparse_layers))]
-        return metadata.full
-
-    def _static_step(self, size: int, drafts: bool, capacity: int, max_list_len: int) -> _StaticStep:
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
-        indptr = zeros(size + 1)
-        empty = KVView(zeros(1), zeros(0), 0)
-        layer_lists: dict[int, torch.Tensor] = {}
-        if drafts:
-            layer_lists = {layer: zeros(heads, capacity) for layer, heads in self.sparse_layers.items()}
-            full, draft = empty, {layer: KVView(indptr, lists, max_list_len) for layer, lists in layer_lists.items()}
+            logits = self._run_forward(step)
         else:
-            full, draft = KVView(indptr, zeros(capacity), max_list_len), {}
+            if step.graph is None:
+                self._capture(step)
+            step.graph.replay()
+            logits = step.logits
+        metadata.mass = step.metadata.mass  # real requests' entries sit where the dynamic lists put them
+        return logits[: len(rows)]
+
+    def _bucket(self, count: int) -> int:
+        return next(size for size in self.buckets if size >= count) if count else 0
+
+    def _static_step(
+        self,
+        num_drafts: int,
+        num_verifies: int,
+        draft_capacity: int,
+        full_capacity: int,
+        draft_hint: int,
+        full_hint: int,
+    ) -> _StaticStep:
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
+        num_tokens = num_drafts + num_verifies * self.verify_tokens
+        draft_lists, draft = {}, {}
+        if num_drafts:
+            indptr = zeros(num_drafts + 1)
+            draft_lists = {layer: zeros(heads, draft_capacity) for layer, heads in self.sparse_layers.items()}
+            draft = {layer: KVView(indptr, lists, draft_hint) for layer, lists in draft_lists.items()}
+        cu_seqlens_q = zeros(num_drafts + num_verifies + 1)
+        cu_seqlens_q[: num_drafts + 1] = torch.arange(num_drafts + 1)  # drafts, padding ones too: one token each
         metadata = AttentionMetadata(
-            slot_mapping=torch.full((size,), self.pool.scratch_slot, dtype=torch.int64, device=self.device),
-            cu_seqlens_q=torch.arange(size + 1, device=self.device),
+            slot_mapping=torch.full((num_tokens,), self.pool.scratch_slot, dtype=torch.int64, device=self.device),
+            cu_seqlens_q=cu_seqlens_q,
             windowed={},
-            full=full,
-            num_drafts=size if drafts else 0,
+            full=KVView(zeros(num_verifies + 1), zeros(full_capacity), full_hint),
+            num_drafts=num_drafts,
             draft=draft,
-            max_q_len=1,
+            num_scored_queries=zeros(num_verifies) if self.scores and num_verifies else None,
+            max_q_len=self.verify_tokens if num_verifies else 1,
+            max_scored_queries=self.verify_tokens if self.scores else 0,
         )
         return _StaticStep(
-            size=size,
-            drafts=drafts,
-            input_ids=zeros(1, size),
-            position_ids=zeros(1, size),
-            rows=torch.arange(size, device=self.device),
+            num_drafts=num_drafts,
+            num_verifies=num_verifies,
+            input_ids=zeros(1, num_tokens),
+            position_ids=zeros(1, num_tokens),
+            rows=zeros(num_tokens),
             metadata=metadata,
-            list_capacity=capacity,
-            layer_lists=layer_lists,
+            draft_capacity=draft_capacity,
+            full_capacity=full_capacity,
+            draft_lists=draft_lists,
         )
 
     def _fill(
@@ -144,23 +174,36 @@ class StepGraphs:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         metadata: AttentionMetadata,
-        lists: KVView,
+        rows: Sequence[int],
     ) -> None:
-        """Copy the step into the bucket's buffers; padding requests get empty lists and the scratch slot."""
-        n, static = input_ids.shape[1], step.metadata
-        step.input_ids[:, :n] = input_ids
-        step.position_ids[:, :n] = position_ids
-        static.slot_mapping[:n] = metadata.slot_mapping
-        static.slot_mapping[n:] = self.pool.scratch_slot
-        indptr = (static.draft[next(iter(self.sparse_layers))] if step.drafts else static.full).kv_indptr
-        indptr[: n + 1] = lists.kv_indptr
-        indptr[n + 1 :] = lists.kv_indptr[-1]
-        count = lists.kv_indices.shape[-1]
-        if step.drafts:
-            for layer, buffer in step.layer_lists.items():
+        """Copy the step into the bucket's buffers (see the module docstring for the layout)."""
+        static, drafts, padded_drafts = step.metadata, metadata.num_drafts, step.num_drafts
+        tokens = input_ids.shape[1]
+        verify_tokens = tokens - drafts
+        for source, target in ((input_ids, step.input_ids), (position_ids, step.position_ids)):
+            target[:, :drafts] = source[:, :drafts]
+            target[:, padded_drafts : padded_drafts + verify_tokens] = source[:, drafts:]
+        static.slot_mapping.fill_(self.pool.scratch_slot)
+        static.slot_mapping[:drafts] = metadata.slot_mapping[:drafts]
+        static.slot_mapping[padded_drafts : padded_drafts + verify_tokens] = metadata.slot_mapping[drafts:]
+        shift = padded_drafts - drafts
+        step.rows.zero_()
+        step.rows[: len(rows)] = torch.tensor([row if row < drafts else row + shift for row in rows])
+        if drafts:
+            lists = metadata.draft[next(iter(self.sparse_layers))]
+            _copy_padded(static.draft[next(iter(self.sparse_layers))].kv_indptr, lists.kv_indptr)
+            count = lists.kv_indices.shape[-1]
+            for layer, buffer in step.draft_lists.items():
                 buffer[:, :count] = metadata.draft[layer].kv_indices
-        else:
-            static.full.kv_indices[:count] = lists.kv_indices
+        if step.num_verifies:
+            _copy_padded(static.cu_seqlens_q[padded_drafts:], metadata.cu_seqlens_q[drafts:] + shift)
+            static.cu_seqlens_q_full.copy_(static.cu_seqlens_q[padded_drafts:] - padded_drafts)
+            _copy_padded(static.full.kv_indptr, metadata.full.kv_indptr)
+            static.full.kv_indices[: metadata.full.kv_indices.shape[-1]] = metadata.full.kv_indices
+            if static.num_scored_queries is not None:
+                static.num_scored_queries.zero_()
+                if metadata.num_scored_queries is not None:
+                    static.num_scored_queries[: metadata.num_scored_queries.shape[0]] = metadata.num_scored_queries
 
     def _run_forward(self, step: _StaticStep) -> torch.Tensor:
         context = PagedForwardContext(metadata=step.metadata, pool=self.pool, ops=self.ops)
@@ -180,10 +223,16 @@ class StepGraphs:
                 self._run_forward(step)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
+        with torch.cuda.graph(graph):  # a private memory pool: a re-captured bucket frees its old graph safely
             step.logits = self._run_forward(step)
         step.graph = graph
 
     @property
     def num_captured(self) -> int:
         return sum(step.graph is not None for step in self._steps.values())
+
+
+def _copy_padded(target: torch.Tensor, source: torch.Tensor) -> None:
+    """An offsets array into a longer one: the entries past the source's repeat its last (empty ranges)."""
+    target[: source.shape[0]] = source
+    target[source.shape[0] :] = source[-1]

@@ -49,7 +49,9 @@ class Runner:
         self.graphs = None
         if cuda_graphs:
             sparse = {layer: self.num_kv_heads[layer] for layer in (policy.sparse_layers if policy else [])}
-            self.graphs = StepGraphs(self.forward, pool, ops, sparse, max_batch_size, device)
+            scores = policy is not None and policy.uses_verify_scores
+            verify_tokens = self.num_draft_slots + 1
+            self.graphs = StepGraphs(self.forward, pool, ops, sparse, verify_tokens, scores, max_batch_size, device)
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -189,9 +191,10 @@ class Runner:
             if item.samples:
                 count = item.num_query_tokens if item.phase is Phase.VERIFY else 1
                 rows.extend(range(end - count, end))
-        if self.graphs is not None and self.graphs.eligible(metadata, len(plan.scheduled)):
+        prefill = any(item.phase is Phase.PREFILL for item in plan.scheduled)
+        if self.graphs is not None and self.graphs.eligible(metadata, prefill):
             max_list_len = max(item.request.max_total_tokens for item in plan.scheduled) + self.num_draft_slots
-            logits = self.graphs.logits(input_ids, position_ids, metadata, max_list_len)
+            logits = self.graphs.logits(input_ids, position_ids, metadata, rows, max_list_len)
         else:
             context = PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)
             with forward_context(context):

@@ -29,24 +29,32 @@ PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
 
 
 def measure(model: torch.nn.Module, batch: int, context: int, steps: int, seed: int = 0, **options) -> dict:
-    """Time ``steps`` decode steps of ``batch`` requests whose contexts start at ``context`` tokens."""
-    wrapped = sparsespec.wrap(model, draft=None, max_batch_size=batch, **options)
+    """Time ``steps`` decode steps of ``batch`` requests whose contexts start at ``context`` tokens.
+
+    Prefill chunks hold up to 64K tokens, so every request is decoding after a few steps (requests prefilled
+    first decode a few tokens meanwhile); only steps in which all ``batch`` requests decode are timed."""
+    wrapped = sparsespec.wrap(model, draft=None, max_batch_size=batch, max_step_tokens=1 << 16, **options)
     engine = wrapped.engine
     vocab = engine.vocab_size
     generator = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_new_tokens=steps + 1, min_new_tokens=steps + 1)
+    params = SamplingParams(max_new_tokens=steps + 64, min_new_tokens=steps + 64)
     requests = [
         engine.new_request(i, torch.randint(vocab, (context,), generator=generator).tolist(), params)
         for i in range(batch)
     ]
     timings: list[tuple[float, float, int]] = []  # (wall s, host s, summed context) per decode step
     last_wall, last_cpu = time.perf_counter(), time.process_time()
-    for plan, _ in tqdm(engine.steps(requests), desc="steps", unit="step"):
+    progress = tqdm(total=steps + 2, desc="decode steps", unit="step")
+    for plan, _ in engine.steps(requests):
         wall, cpu = time.perf_counter(), time.process_time()
         decode = all(item.phase is Phase.VERIFY and item.num_query_tokens == 1 for item in plan.scheduled)
         if decode and len(plan.scheduled) == batch:
             timings.append((wall - last_wall, cpu - last_cpu, sum(i.first_position + 1 for i in plan.scheduled)))
+            progress.update()
+            if len(timings) == steps + 2:
+                break
         last_wall, last_cpu = wall, cpu
+    progress.close()
     timings = timings[2:]  # the first decode steps capture graphs / compile
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = statistics.median(t[2] for t in timings) * bytes_per_token(wrapped.layers, engine.dtype)
