@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import importlib
 import os
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
-from attention import reference
+from attention import flex, reference
 
 #: Values of ``SpecConfig.attention_backend``.
-BACKENDS: tuple[str, ...] = ("auto", "reference", "triton")
+BACKENDS: tuple[str, ...] = ("auto", "reference", "triton", "flex")
 
 
-def load_ops(backend: str, device: torch.device) -> ModuleType:
-    """The op module for ``backend``: ``"auto"`` takes Triton on CUDA and the reference elsewhere.
+def load_ops(backend: str, device: torch.device) -> ModuleType | SimpleNamespace:
+    """The op module for ``backend``: ``"auto"`` takes Triton on CUDA and the reference elsewhere; ``"flex"``
+    is that choice with FlexAttention for prefill steps (``attention.flex``).
 
     Triton on a CPU tensor runs only in Triton's interpreter (``TRITON_INTERPRET=1``, slow: tests), so that
     combination is refused otherwise. The Triton module is imported only here, after that choice, because
@@ -28,6 +29,8 @@ def load_ops(backend: str, device: torch.device) -> ModuleType:
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(BACKENDS)}")
+    if backend == "flex":
+        return flex.with_flex_prefill(load_ops("auto", device))
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "reference"
     if backend == "reference":

@@ -54,8 +54,9 @@ class SpecConfig:
         cuda_graphs: replay the forward of one-token steps (plain decoding, drafts) from CUDA graphs captured
             per padded batch size; on a CPU the same padded static path runs without capture (same tokens).
             ``None`` = off until measured (then: on with CUDA).
-        attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device) or
-            ``"auto"`` (Triton on CUDA, the reference elsewhere).
+        attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device),
+            ``"auto"`` (Triton on CUDA, the reference elsewhere) or ``"flex"`` (``"auto"`` with FlexAttention
+            for prefill chunks: a document mask built from the slot lists; its GPU speed not yet measured).
     """
 
     draft: str | None = DEFAULT_DRAFT

@@ -293,11 +293,11 @@ class Runner:
         ``{first row: (accepted drafts, next token)}``. Proposed drafts (n-gram) count as point masses."""
         rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item, _ in verifies]
         n = max(len(tokens) for tokens in rounds)
-        target_rows = [
-            [prob_index[row + min(i, len(t))] for i in range(n + 1)]
-            for (_, row), t in zip(verifies, rounds, strict=True)
-        ]
-        target = probs[torch.tensor(target_rows, device=probs.device)]
+        # A verify's rows are consecutive, all sampled (one request's parameters): so are their probs rows.
+        first = self._tensor([prob_index[row] for _, row in verifies])
+        num_drafts = self._tensor([len(tokens) for tokens in rounds])
+        steps = torch.arange(n + 1, device=self.device)
+        target = probs[first[:, None] + torch.minimum(steps, num_drafts[:, None])]  # padding: the last row again
         drafts = self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
         draft_probs = torch.zeros(len(rounds), n, probs.shape[-1], dtype=probs.dtype, device=probs.device)
         stored = [(j, i, p) for j, (item, _) in enumerate(verifies) for i, p in enumerate(item.request.round.probs)]
@@ -309,7 +309,6 @@ class Runner:
         if proposed:
             j_index, i_index = zip(*proposed, strict=True)
             draft_probs[list(j_index), list(i_index), drafts[list(j_index), list(i_index)]] = 1.0
-        num_drafts = torch.tensor([len(t) for t in rounds], device=probs.device)
         accepted, next_token = accept_sampled(target, drafts, draft_probs, num_drafts, self.generator)
         pairs = zip(accepted.tolist(), next_token.tolist(), strict=True)
         return {row: pair for (_, row), pair in zip(verifies, pairs, strict=True)}

@@ -19,20 +19,25 @@ def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[int], stop_token_i
 
 
 def warp_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
     """Per-row temperature, top-k (0 = off) and top-p, exactly as transformers' warpers compute them.
 
     ``logits`` is ``[R, V]`` fp32; the parameters are ``[R]``. Filtered entries become ``-inf``. ``top_p``
     should be float64: transformers forms the cut-off ``1 - top_p`` from a Python float and only then
     rounds it to fp32, and a cut-off rounded differently drops different tokens at the boundary. Rows with
-    ``top_p == 1`` skip top-p entirely, as in transformers.
+    ``top_p == 1`` skip top-p entirely, as in transformers. ``None`` skips a filter for every row (no full
+    sort of the vocabulary for it: the common case, and two sorts of ``[256, V]`` cost more than the forward
+    of a small model).
     """
     vocab_size = logits.shape[-1]
     logits = logits / temperature[:, None]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
-    kth_largest = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-    logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+        kth_largest = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p is None:
+        return logits
     ascending, order = logits.sort(dim=-1, descending=False)
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
     cutoff = (1 - top_p.double()).to(cumulative.dtype)
@@ -48,8 +53,8 @@ def warped_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     warped = warp_logits(
         logits,
         as_tensor([p.temperature for p in params], torch.float32),
-        as_tensor([p.top_k for p in params], torch.int64),
-        as_tensor([p.top_p for p in params], torch.float64),
+        as_tensor([p.top_k for p in params], torch.int64) if any(p.top_k for p in params) else None,
+        as_tensor([p.top_p for p in params], torch.float64) if any(p.top_p < 1 for p in params) else None,
     )
     return warped.softmax(dim=-1)
 

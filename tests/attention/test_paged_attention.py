@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention import paged, reference
+from attention import flex, paged, reference
 from attention.reference import FirstLists, store_kv
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -448,3 +448,42 @@ def test_kernel_benchmark_measures_every_case_of_a_small_point(tmp_path):
 def test_split_counts_balance_the_work(groups, expected):
     """Lists are cut into chunks of about equal work, so a few long lists never leave a tail of long programs."""
     assert paged._split_counts(3, groups) == expected
+
+
+# -- FlexAttention prefill ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gqa_ratio", [1, 3, 4, 8])
+@pytest.mark.parametrize("scenario", ["prefill_chunk", "mixed", "verify"])
+def test_flex_prefill_matches_sdpa(scenario, gqa_ratio):
+    """FlexAttention over the gathered slot lists with the document mask built from them: the same outputs and
+    LSE as dense SDPA for packed chunks (a later chunk over earlier tokens, a first chunk), GQA 1/3/4/8.
+
+    Protects attention/flex.py's mask: a query seeing another request's entries, a later position or, with
+    the offset wrong, one position too few changes the outputs."""
+    batch = _Batch(SCENARIOS[scenario], NUM_KV_HEADS * gqa_ratio, NUM_KV_HEADS, 64, seed=gqa_ratio)
+    _check(batch.run(flex.prefill_attention, *batch.shared_lists()), batch.expected_shared())
+
+
+@pytest.mark.parametrize("window", [1, 5, 100])
+def test_flex_prefill_sliding_window(window):
+    batch = _Batch(SCENARIOS["mixed"], 8, NUM_KV_HEADS, 64, seed=window)
+    actual = batch.run(flex.prefill_attention, *batch.shared_lists(), sliding_window=window)
+    _check(actual, batch.expected_shared(window))
+
+
+def test_flex_op_set_routes_only_long_shared_queries():
+    """``attention_backend="flex"`` sends a call to FlexAttention only for prefill-length queries without draft
+    lists; decode, verify and draft calls go to the base kernels."""
+    calls = []
+    base = type("Base", (), {})()
+    base.paged_attention = lambda *args, **hints: calls.append("base")
+    base.attention_mass = base.store_kv = None
+    ops = flex.with_flex_prefill(base)
+    batch = _Batch([(100, 120)], 4, NUM_KV_HEADS, 16)
+    out, _ = batch.run(ops.paged_attention, *batch.shared_lists(), max_q_len=100, max_kv_len=120)
+    assert calls == [] and out.shape == batch.query.shape
+    batch.run(ops.paged_attention, *batch.shared_lists(), max_q_len=9, max_kv_len=120)
+    first = FirstLists(1, *batch.shared_lists())
+    batch.run(ops.paged_attention, *batch.shared_lists(), max_q_len=100, max_kv_len=120, first_lists=first)
+    assert calls == ["base", "base"]

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tests.torchspec.conftest import tiny_spec
+from torchspec import sparsespec
+from torchspec.bench import decode_step
 from torchspec.bench.throughput import measure
+from torchspec.kv_cache import bytes_per_token
 
 pytestmark = pytest.mark.slow
 
@@ -19,3 +24,18 @@ def test_throughput_record_counts_the_real_work(smollm2):
     assert plain["steps"] >= 12  # a prefill step, then one decode step per token
     speculative = measure(model, prompts, "pillar_recent", max_new_tokens=12, temperature=0.0)
     assert speculative["generated_tokens"] == 24 and speculative["mean_accepted"] > 0
+
+
+def test_decode_step_record_times_full_batch_decode_steps():
+    """The decode-step benchmark on a tiny model (CPU, through the padded static path): it times the asked
+    number of steps, each with every request decoding at the given context, and its roofline counts the
+    weights and the K/V those steps read."""
+    spec = tiny_spec("llama", 2)
+    model = spec.build()
+    record = decode_step.measure(model, batch=3, context=40, steps=4, cuda_graphs=True)
+    assert record["steps_timed"] == 4 and record["step_ms"] > 0 and record["host_ms"] > 0
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert record["weight_gb"] * 1e9 == weights
+    per_token = bytes_per_token(sparsespec.wrap(model).layers, torch.float32)
+    # contexts at the timed steps: 41-48 positions per request (prompt 40, a few tokens decoded meanwhile)
+    assert 3 * 41 * per_token <= record["kv_gb"] * 1e9 <= 3 * 48 * per_token

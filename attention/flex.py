@@ -1,0 +1,89 @@
+"""FlexAttention for prefill chunks over the paged pool: the block mask is built from the slot lists.
+
+A prefill step's requests (chunks of their prompts) read their whole slot lists: gathered once per layer into
+a packed ``[1, Hkv, N, D]`` K/V, they are one FlexAttention call with a document mask (a query sees the
+entries of its own request up to its own position, and within the sliding window if any), so the masked
+blocks are skipped and GQA is handled by FlexAttention itself. Same arguments and results as
+:func:`attention.reference.paged_attention` for requests without ``first_lists`` (sparse draft lists are the
+Triton kernel's job). On CUDA the call is compiled once (dynamic shapes); elsewhere it runs eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType, SimpleNamespace
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+BLOCK_SIZE = 128  # FlexAttention's default tile on the GPU
+MIN_QUERY_LEN = 64  # requests with longer queries than this (prefill chunks) make a step FlexAttention's
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def _block_mask(
+    cu_seqlens_q: torch.Tensor, kv_indptr: torch.Tensor, sliding_window: int | None, num_tokens: int, num_entries: int
+) -> BlockMask:
+    """Document mask of a packed prefill batch: query i of request r (``q_len`` queries over ``kv_len`` list
+    entries) sees the entries j of request r with ``j <= kv_len - q_len + i`` (and ``> that - window``)."""
+    device = cu_seqlens_q.device
+    q_len = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    kv_len = kv_indptr[1:] - kv_indptr[:-1]
+    requests = torch.arange(q_len.shape[0], device=device)
+    q_request = torch.repeat_interleave(requests, q_len, output_size=num_tokens)
+    kv_request = torch.repeat_interleave(requests, kv_len, output_size=num_entries)
+    q_visible = torch.arange(num_tokens, device=device) - cu_seqlens_q[q_request] + (kv_len - q_len)[q_request]
+    kv_position = torch.arange(num_entries, device=device) - kv_indptr[kv_request]
+
+    def visible(batch, head, q_index, kv_index):
+        seen = (q_request[q_index] == kv_request[kv_index]) & (kv_position[kv_index] <= q_visible[q_index])
+        if sliding_window is not None:
+            seen = seen & (kv_position[kv_index] > q_visible[q_index] - sliding_window)
+        return seen
+
+    on_gpu = device.type == "cuda"
+    return create_block_mask(visible, None, None, num_tokens, num_entries, device, BLOCK_SIZE, _compile=on_gpu)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    **hints: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query`` ``[T, H, D]`` of a packed prefill batch over shared slot lists; returns ``[T, H, D]`` and the
+    LSE ``[T, H]`` (natural log), as the reference. Launch hints of the other backends are accepted and not
+    needed."""
+    if hints.get("first_lists") is not None:
+        raise ValueError("FlexAttention serves shared lists; per-head draft lists are the Triton kernel's")
+    num_tokens, num_entries = query.shape[0], kv_indices.shape[0]
+    if num_tokens == 0 or num_entries == 0:
+        return torch.zeros_like(query), query.new_full(query.shape[:2], float("-inf"), dtype=torch.float32)
+    keys = k_cache[kv_indices].transpose(0, 1)[None]  # [1, Hkv, N, D]
+    values = v_cache[kv_indices].transpose(0, 1)[None]
+    mask = _block_mask(cu_seqlens_q, kv_indptr, sliding_window, num_tokens, num_entries)
+    attend = _compiled_flex() if query.is_cuda else flex_attention
+    out, lse = attend(
+        query.transpose(0, 1)[None], keys, values, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True
+    )
+    return out[0].transpose(0, 1).contiguous(), lse[0].transpose(0, 1).float().contiguous()
+
+
+def with_flex_prefill(base: ModuleType) -> SimpleNamespace:
+    """The op set of ``base`` (Triton on CUDA, the reference elsewhere) with FlexAttention for steps whose
+    longest query is a prefill chunk (over ``MIN_QUERY_LEN`` tokens) and that carry no per-head draft lists."""
+
+    def paged_attention(*arrays: torch.Tensor | float | int | None, **hints: object):
+        prefill = hints.get("first_lists") is None and (hints.get("max_q_len") or 0) > MIN_QUERY_LEN
+        return (prefill_attention if prefill else base.paged_attention)(*arrays, **hints)
+
+    return SimpleNamespace(paged_attention=paged_attention, attention_mass=base.attention_mass, store_kv=base.store_kv)
