@@ -206,21 +206,23 @@ class Runner:
         return self._select(plan, logits.float(), first_row)
 
     def _learn_from_verify(self, plan: StepPlan, metadata: AttentionMetadata) -> None:
+        """Hand each verify's attention mass ``[layers, Hkv, context]`` (a view of one stacked tensor, on the
+        device) to the policy; list offsets and scored counts come from the plan, not from the device."""
         if self.policy is None:
             return
         full_items = plan.scheduled[metadata.num_drafts :]
-        indptr = metadata.full.kv_indptr.tolist()
-        scored = [0] * len(full_items) if metadata.num_scored_queries is None else metadata.num_scored_queries
-        for j, item in enumerate(full_items):
-            if not item.samples:
-                continue
-            first_query = item.first_position + item.num_query_tokens - (int(scored[j]) or item.num_query_tokens)
-            mass = None
-            if int(scored[j]) and self.policy.sparse_layers:  # [layers, Hkv, context], stays on the device
-                mass = torch.stack(
-                    [metadata.mass[layer][:, indptr[j] : indptr[j + 1]] for layer in self.policy.sparse_layers]
-                )
-            self.policy.on_verify(item.request, mass, first_query)
+        scored = self._scored_queries(full_items)
+        stacked = None
+        if any(scored) and self.policy.sparse_layers:
+            stacked = torch.stack([metadata.mass[layer] for layer in self.policy.sparse_layers])
+        start = 0
+        for item, count in zip(full_items, scored, strict=True):
+            end = start + item.first_position + item.num_query_tokens
+            if item.samples:
+                first_query = item.first_position + item.num_query_tokens - (count or item.num_query_tokens)
+                mass = stacked[..., start:end] if count and stacked is not None else None
+                self.policy.on_verify(item.request, mass, first_query)
+            start = end
 
     def _select(self, plan: StepPlan, logits: torch.Tensor, first_row: list[int]) -> list[StepResult]:
         """Tokens from the logits rows of each request: draft samples, verified tokens (see speculative.py).

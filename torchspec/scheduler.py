@@ -11,6 +11,7 @@ request never runs out of slots and nothing is evicted or recomputed: requests t
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,12 +35,13 @@ class ScheduledRequest:
     phase: Phase
     num_query_tokens: int
 
-    @property
+    # Both are read many times per step and fixed until the step is committed: computed once.
+    @functools.cached_property
     def first_position(self) -> int:
         """Position of the first query token (drafts sit after the newest accepted token)."""
         return self.request.num_computed_tokens + (len(self.request.round.tokens) if self.phase is Phase.DRAFT else 0)
 
-    @property
+    @functools.cached_property
     def samples(self) -> bool:
         """Whether the step produces tokens for this request (all but a prefill chunk short of the end)."""
         if self.phase is not Phase.PREFILL:

@@ -10,6 +10,7 @@ context: ~1M entries per step at 256 requests x 4K tokens) with work that grows 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -65,17 +66,16 @@ class SlotTable:
     def gather(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> tuple[list[int], torch.Tensor]:
         """Concatenated slots of positions ``[starts[i], ends[i])`` of each row: an indptr (host) and the
         flat slot list (device), built by one gather without reading anything back."""
-        indptr = [0]
-        for start, end in zip(starts, ends, strict=True):
-            indptr.append(indptr[-1] + end - start)
+        lengths = [end - start for start, end in zip(starts, ends, strict=True)]
+        indptr = list(itertools.accumulate(lengths, initial=0))
         total = indptr[-1]
         if total == 0:
             return indptr, torch.zeros(0, dtype=torch.int64, device=self.device)
-        meta = torch.tensor([rows, starts, indptr[:-1]], dtype=torch.int64).to(self.device, non_blocking=True)
-        lengths = torch.tensor([e - s for s, e in zip(starts, ends, strict=True)]).to(self.device, non_blocking=True)
-        entry = torch.repeat_interleave(torch.arange(len(rows), device=self.device), lengths, output_size=total)
-        positions = torch.arange(total, device=self.device) - meta[2][entry] + meta[1][entry]
-        return indptr, self.slots[meta[0][entry], positions]
+        meta = torch.tensor([rows, starts, indptr[:-1], lengths], dtype=torch.int64).to(self.device, non_blocking=True)
+        row, start, offset, length = meta
+        entry = torch.repeat_interleave(torch.arange(len(rows), device=self.device), length, output_size=total)
+        positions = torch.arange(total, device=self.device) - offset[entry] + start[entry]
+        return indptr, self.slots[row[entry], positions]
 
     def lookup(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Slots at ``positions`` (any shape, -1 = padding, kept) of ``rows`` (broadcast against it)."""
