@@ -7,7 +7,7 @@ import torch
 
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
-from torchspec.bench import decode_step
+from torchspec.bench import decode_step, host_step
 from torchspec.bench.throughput import measure
 from torchspec.kv_cache import bytes_per_token
 
@@ -39,3 +39,13 @@ def test_decode_step_record_times_full_batch_decode_steps():
     per_token = bytes_per_token(sparsespec.wrap(model).layers, torch.float32)
     # contexts at the timed steps: 41-48 positions per request (prompt 40, a few tokens decoded meanwhile)
     assert 3 * 41 * per_token <= record["kv_gb"] * 1e9 <= 3 * 48 * per_token
+
+
+def test_host_step_times_decoding_steps_without_a_forward():
+    """The host-time benchmark runs full-batch decoding steps with the forward replaced (plain and
+    speculative) and reports a positive median over them; speculation really drafted."""
+    plain = host_step.measure(batch=4, prompt_len=20, new_tokens=12, draft=None, temperature=0.65)
+    assert plain["steps_timed"] >= 8 and plain["host_ms_per_step"] > 0 and plain["mean_accepted"] == 0
+    speculative = host_step.measure(batch=4, prompt_len=20, new_tokens=12, draft="pillar_recent", temperature=0.0)
+    assert speculative["steps_timed"] >= 8 and speculative["host_ms_per_step"] > 0
+    assert speculative["rounds"] > 0 and plain["rounds"] == 0

@@ -1,0 +1,114 @@
+"""Host time of an engine step on its own: the decoding forward replaced by random logits.
+
+    python -m torchspec.bench.host_step --batch 256 --drafts none pillar_recent --out host.jsonl
+
+With CUDA graphs the GPU forward of a decoding step is one replay, so what remains of a step is host work:
+scheduling, slot lists, token selection, speculation bookkeeping. This measures that floor on any machine
+(no GPU needed): a tiny random Llama with SmolLM2's vocabulary runs the prefill for real, then every
+decoding step goes through the padded static path of ``cuda_graphs=True`` with the forward swapped for
+random logits (and random verify scores). The vocabulary is small on purpose: on a GPU the work over the
+whole vocabulary (softmax, sampling) is device time, not host time, and on a CPU it would swamp what this
+measures. Reported: the median wall time of full-batch decoding steps, measured between consecutive engine
+steps (everything the engine does per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from torchspec import sparsespec
+from torchspec.config import DRAFT_POLICIES
+from torchspec.request import SamplingParams
+from torchspec.scheduler import Phase
+
+VOCAB_SIZE = 512
+
+
+def _tiny_model(seed: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def measure(batch: int, prompt_len: int, new_tokens: int, draft: str | None, temperature: float, seed: int = 0) -> dict:
+    """Median host time of a full-batch decoding step of ``batch`` requests (forward replaced)."""
+    model = _tiny_model(seed)
+    wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=batch, cuda_graphs=True, min_budget=16)
+    engine = wrapped.engine
+    graphs = engine.runner.graphs
+    sparse_layers = engine.policy.sparse_layers if engine.policy is not None else []
+    generator = torch.Generator().manual_seed(seed)
+
+    def random_logits(input_ids, position_ids, metadata, rows, max_list_len):
+        if metadata.num_scored_queries is not None:
+            entries = metadata.full.kv_indices.shape[-1]
+            metadata.mass = {layer: torch.rand(2, entries, generator=generator) for layer in sparse_layers}
+        return torch.randn(len(rows), VOCAB_SIZE, generator=generator)
+
+    graphs.logits = random_logits
+    params = SamplingParams(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=temperature > 0, temperature=temperature or 1.0
+    )
+    requests = [
+        engine.new_request(i, torch.randint(VOCAB_SIZE, (prompt_len,), generator=generator).tolist(), params)
+        for i in range(batch)
+    ]
+    step_times: list[float] = []
+    last = time.perf_counter()
+    for plan, _ in tqdm(engine.steps(requests), desc=f"host steps ({draft})", unit="step"):
+        now = time.perf_counter()
+        decoding = all(item.phase is not Phase.PREFILL for item in plan.scheduled)
+        if decoding and len(plan.scheduled) == batch:
+            step_times.append(now - last)
+        last = now
+    stats = engine.stats_for(requests)
+    return {
+        "draft": draft,
+        "batch": batch,
+        "steps_timed": len(step_times),
+        "host_ms_per_step": 1e3 * statistics.median(step_times),
+        "tokens_per_step": stats.generated_tokens / max(stats.steps, 1),
+        "rounds": stats.num_rounds,
+        "mean_accepted": stats.mean_accepted,
+        "machine": "cpu",
+        "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.65)
+    parser.add_argument("--drafts", nargs="+", default=["none", "pillar_recent"], choices=["none", *DRAFT_POLICIES])
+    parser.add_argument("--out", help="append one JSON line per draft setting")
+    args = parser.parse_args(argv)
+    for draft in args.drafts:
+        record = measure(
+            args.batch, args.prompt_len, args.new_tokens, None if draft == "none" else draft, args.temperature
+        )
+        print(f"draft={draft}: {record['host_ms_per_step']:.2f} ms of host time per step at batch {args.batch}")
+        if args.out:
+            with open(args.out, "a") as sink:
+                sink.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
