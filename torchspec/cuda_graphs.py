@@ -69,6 +69,8 @@ class StepGraphs:
         self.pool = pool
         self.ops = ops
         self.sparse_layers = sparse_layers  # draft-reading layer -> its KV heads
+        # Every draft-reading layer's view shares one indptr and length: the first one speaks for all.
+        self.first_sparse = next(iter(sparse_layers), None)
         self.verify_tokens = verify_tokens  # query tokens a verify request may hold (k + 1; 1 without drafts)
         self.scores = scores  # verify steps also return PillarAttn's attention mass
         self.buckets = bucket_sizes(max_batch_size)
@@ -101,11 +103,11 @@ class StepGraphs:
         num_drafts = metadata.num_drafts
         num_verifies = metadata.full.kv_indptr.shape[0] - 1
         key = (self._bucket(num_drafts), self._bucket(num_verifies))
-        draft_count = metadata.draft[next(iter(self.sparse_layers))].kv_indices.shape[-1] if num_drafts else 0
+        draft_count = metadata.draft[self.first_sparse].kv_indices.shape[-1] if num_drafts else 0
         full_count = metadata.full.kv_indices.shape[-1]
         step = self._steps.get(key)
         if step is None or draft_count > step.draft_capacity or full_count > step.full_capacity:
-            draft_hint = metadata.draft[next(iter(self.sparse_layers))].max_len if num_drafts else 0
+            draft_hint = metadata.draft[self.first_sparse].max_len if num_drafts else 0
             step = self._steps[key] = self._static_step(
                 *key,
                 draft_capacity=max(2 * draft_count, 2 * step.draft_capacity if step else 0),
@@ -190,8 +192,8 @@ class StepGraphs:
         step.rows.zero_()
         step.rows[: len(rows)] = torch.tensor([row if row < drafts else row + shift for row in rows])
         if drafts:
-            lists = metadata.draft[next(iter(self.sparse_layers))]
-            _copy_padded(static.draft[next(iter(self.sparse_layers))].kv_indptr, lists.kv_indptr)
+            lists = metadata.draft[self.first_sparse]
+            _copy_padded(static.draft[self.first_sparse].kv_indptr, lists.kv_indptr)
             count = lists.kv_indices.shape[-1]
             for layer, buffer in step.draft_lists.items():
                 buffer[:, :count] = metadata.draft[layer].kv_indices

@@ -55,7 +55,7 @@ class Engine:
             cuda_graphs=bool(config.cuda_graphs),
             max_batch_size=config.max_batch_size,
         )
-        self.num_draft_slots = config.k if self.policy is not None else 0
+        self.num_draft_slots = self.runner.num_draft_slots
         self._run_start = time.perf_counter()
         self._run_steps = 0
 

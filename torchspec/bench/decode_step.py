@@ -12,7 +12,6 @@ K/V) over the H200's 4.8 TB/s.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -20,6 +19,13 @@ import torch
 from tqdm import tqdm
 
 from torchspec import sparsespec
+from torchspec.bench.records import (
+    add_engine_arguments,
+    add_model_arguments,
+    append_record,
+    engine_options,
+    environment,
+)
 from torchspec.kv_cache import bytes_per_token
 from torchspec.models import load_model
 from torchspec.request import SamplingParams
@@ -72,35 +78,27 @@ def measure(model: torch.nn.Module, batch: int, context: int, steps: int, seed: 
         "kv_gb": kv_bytes / 1e9,
         "tokens_per_s": batch / step_s,
         "options": {name: str(value) for name, value in options.items()},
-        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
-        "dtype": str(engine.dtype),
-        "torch": torch.__version__,
+        **environment(engine.device, engine.dtype),
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="local HF directory or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model forward")
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs")
+    add_model_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--out", help="append one JSON line")
     args = parser.parse_args(argv)
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
-    options = {"compile": args.compile or None, "cuda_graphs": args.cuda_graphs or None}
-    record = measure(model, args.batch, args.context, args.steps, **options)
+    record = measure(model, args.batch, args.context, args.steps, **engine_options(args))
     print(
         f"batch {args.batch} x context {args.context}: {record['step_ms']:.2f} ms per decode step "
         f"(host {record['host_ms']:.2f} ms), roofline {record['roofline_ms']:.2f} ms "
         f"({record['weight_gb']:.2f} GB weights + {record['kv_gb']:.2f} GB K/V): {record['x_roofline']:.2f}x"
     )
-    if args.out:
-        with open(args.out, "a") as sink:
-            sink.write(json.dumps(record) + "\n")
+    append_record(args.out, record)
 
 
 if __name__ == "__main__":

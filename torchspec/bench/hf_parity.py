@@ -17,6 +17,7 @@ import torch
 
 from attention import BACKENDS
 from torchspec import sparsespec
+from torchspec.bench.records import add_model_arguments, append_record, environment
 from torchspec.config import DRAFT_POLICIES
 from torchspec.models import load_model
 from torchspec.workloads import chat_token_ids, read_prompts
@@ -54,9 +55,7 @@ def compare(
     width = batch["input_ids"].shape[1]
     head = min(64, max_new_tokens)
     result = {
-        "dtype": dtype,
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-        "torch": torch.__version__,
+        **environment(device, dtype),
         "rows": len(prompts),
         "max_new_tokens": max_new_tokens,
         "draft": draft,
@@ -82,9 +81,7 @@ def compare(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="local HF directory or .gguf (default: embedded SmolLM2)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_arguments(parser, dtype="float32")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft", default="none", choices=["none", *DRAFT_POLICIES], help="default: no speculation")
@@ -95,9 +92,7 @@ def main() -> None:
     draft = None if args.draft == "none" else args.draft
     result = compare(args.model, args.dtype, args.device, args.prompts, args.max_new_tokens, tuple(backends), draft)
     print(json.dumps(result))
-    if args.out:
-        with open(args.out, "a") as sink:
-            sink.write(json.dumps(result) + "\n")
+    append_record(args.out, result)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ steps (everything the engine does per step).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -23,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from torchspec import sparsespec
+from torchspec.bench.records import append_record, environment
 from torchspec.config import DRAFT_POLICIES
 from torchspec.request import SamplingParams
 from torchspec.scheduler import Phase
@@ -86,8 +86,7 @@ def measure(batch: int, prompt_len: int, new_tokens: int, draft: str | None, tem
         "tokens_per_step": stats.generated_tokens / max(stats.steps, 1),
         "rounds": stats.num_rounds,
         "mean_accepted": stats.mean_accepted,
-        "machine": "cpu",
-        "torch": torch.__version__,
+        **environment("cpu", torch.float32),
     }
 
 
@@ -105,9 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             args.batch, args.prompt_len, args.new_tokens, None if draft == "none" else draft, args.temperature
         )
         print(f"draft={draft}: {record['host_ms_per_step']:.2f} ms of host time per step at batch {args.batch}")
-        if args.out:
-            with open(args.out, "a") as sink:
-                sink.write(json.dumps(record) + "\n")
+        append_record(args.out, record)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,19 @@ generated tokens per second, engine steps, mean accepted drafts per round, peak 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 
 import torch
 
 from torchspec import sparsespec
+from torchspec.bench.records import (
+    add_engine_arguments,
+    add_model_arguments,
+    append_record,
+    engine_options,
+    environment,
+)
 from torchspec.config import DRAFT_POLICIES
 from torchspec.models import load_model
 from torchspec.workloads import chat_token_ids, read_prompts
@@ -64,39 +70,31 @@ def measure(
         "options": {name: str(value) for name, value in options.items()},
         "mean_accepted": stats.mean_accepted,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "dtype": str(next(model.parameters()).dtype),
-        "torch": torch.__version__,
+        **environment(device, next(model.parameters()).dtype),
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="local HF directory or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=4096)
     parser.add_argument("--temperature", type=float, default=0.65)
     parser.add_argument("--drafts", nargs="+", default=["none", "pillar_recent"], choices=["none", *DRAFT_POLICIES])
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model forward")
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay one-token steps from CUDA graphs")
+    add_model_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--out", help="append one JSON line per draft setting")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.prompts)]
     for draft in args.drafts:
-        options = {"compile": args.compile or None, "cuda_graphs": args.cuda_graphs or None}
         draft_name = None if draft == "none" else draft
-        record = measure(model, prompts, draft_name, args.max_new_tokens, args.temperature, **options)
+        record = measure(model, prompts, draft_name, args.max_new_tokens, args.temperature, **engine_options(args))
         print(
             f"draft={draft}: {record['generated_tokens']} tokens in {record['seconds']:.1f} s, "
             f"{record['tokens_per_s']:.1f} tok/s, {record['steps']} steps ({record['ms_per_step']:.1f} ms, "
             f"host {record['cpu_ms_per_step']:.1f} ms each), mean accepted {record['mean_accepted']:.2f}"
         )
-        if args.out:
-            with open(args.out, "a") as sink:
-                sink.write(json.dumps(record) + "\n")
+        append_record(args.out, record)
 
 
 if __name__ == "__main__":
