@@ -14,10 +14,11 @@ import functools
 from types import ModuleType, SimpleNamespace
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BLOCK_SIZE = 128  # FlexAttention's default tile on the GPU
 MIN_QUERY_LEN = 64  # requests with longer queries than this (prefill chunks) make a step FlexAttention's
+_last_mask: tuple[tuple[object, ...], BlockMask] | None = None  # (the step's metadata tensors, their mask)
 
 
 @functools.cache
@@ -29,7 +30,17 @@ def _block_mask(
     cu_seqlens_q: torch.Tensor, kv_indptr: torch.Tensor, sliding_window: int | None, num_tokens: int, num_entries: int
 ) -> BlockMask:
     """Document mask of a packed prefill batch: query i of request r (``q_len`` queries over ``kv_len`` list
-    entries) sees the entries j of request r with ``j <= kv_len - q_len + i`` (and ``> that - window``)."""
+    entries) sees the entries j of request r with ``j <= kv_len - q_len + i`` (and ``> that - window``).
+
+    Built once per step (every layer of a step passes the same metadata tensors) and straight from the packing,
+    on the device: requests are contiguous in both the queries and the entries, so the entries a query tile
+    can see are one run of KV tiles, from the first visible entry of its first query's request to the last
+    visible entry of its last query. Only ``mask_mod`` is evaluated per element, inside those tiles, never a
+    dense ``tokens x entries`` grid (``create_block_mask`` does that: minutes at 64K x 64K)."""
+    global _last_mask
+    key = (cu_seqlens_q, kv_indptr, sliding_window)
+    if _last_mask is not None and all(a is b for a, b in zip(_last_mask[0], key, strict=True)):
+        return _last_mask[1]
     device = cu_seqlens_q.device
     q_len = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     kv_len = kv_indptr[1:] - kv_indptr[:-1]
@@ -45,8 +56,25 @@ def _block_mask(
             seen = seen & (kv_position[kv_index] > q_visible[q_index] - sliding_window)
         return seen
 
-    on_gpu = device.type == "cuda"
-    return create_block_mask(visible, None, None, num_tokens, num_entries, device, BLOCK_SIZE, _compile=on_gpu)
+    first_query = torch.arange(0, num_tokens, BLOCK_SIZE, device=device)
+    last_query = (first_query + BLOCK_SIZE - 1).clamp(max=num_tokens - 1)
+    first_entry = kv_indptr[q_request[first_query]]
+    if sliding_window is not None:
+        first_entry = first_entry + (q_visible[first_query] - sliding_window + 1).clamp(min=0)
+    last_entry = kv_indptr[q_request[last_query]] + q_visible[last_query]
+    first_tile, last_tile = first_entry // BLOCK_SIZE, last_entry // BLOCK_SIZE
+    num_tiles = -(-num_entries // BLOCK_SIZE)
+    tiles = (first_tile[:, None] + torch.arange(num_tiles, device=device)).clamp(max=num_tiles - 1)
+    mask = BlockMask.from_kv_blocks(
+        (last_tile - first_tile + 1).to(torch.int32)[None, None],
+        tiles.to(torch.int32)[None, None],
+        BLOCK_SIZE=BLOCK_SIZE,
+        mask_mod=visible,
+        seq_lengths=(num_tokens, num_entries),
+        compute_q_blocks=False,  # inference: no backward pass needs the transposed structure
+    )
+    _last_mask = (key, mask)
+    return mask
 
 
 def prefill_attention(

@@ -19,7 +19,7 @@ On a CPU the same static path runs without capture (tested in CI: same tokens as
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -46,7 +46,7 @@ class _StaticStep:
     metadata: AttentionMetadata
     draft_capacity: int  # entries each draft-list buffer holds
     full_capacity: int
-    draft_lists: dict[int, torch.Tensor] = field(default_factory=dict)  # per sparse layer: [Hkv, capacity]
+    draft_lists: torch.Tensor | None = None  # [sparse layers, Hkv, capacity]: every layer's draft lists
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
 
@@ -77,6 +77,7 @@ class StepGraphs:
         self.device = device
         self.capture = device.type == "cuda"
         self._steps: dict[tuple[int, int], _StaticStep] = {}
+        self._last: _StaticStep | None = None  # the bucket replayed most recently
 
     def eligible(self, metadata: AttentionMetadata, prefill: bool) -> bool:
         """No prefill chunk, no query longer than a verify, nothing chosen inside the forward (query-aware
@@ -123,6 +124,7 @@ class StepGraphs:
                 self._capture(step)
             step.graph.replay()
             logits = step.logits
+        self._last = step
         metadata.mass = step.metadata.mass  # real requests' entries sit where the dynamic lists put them
         return logits[: len(rows)]
 
@@ -140,11 +142,14 @@ class StepGraphs:
     ) -> _StaticStep:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
         num_tokens = num_drafts + num_verifies * self.verify_tokens
-        draft_lists, draft = {}, {}
+        draft_lists, draft = None, {}
         if num_drafts:
             indptr = zeros(num_drafts + 1)
-            draft_lists = {layer: zeros(heads, draft_capacity) for layer, heads in self.sparse_layers.items()}
-            draft = {layer: KVView(indptr, lists, draft_hint) for layer, lists in draft_lists.items()}
+            draft_lists = zeros(len(self.sparse_layers), max(self.sparse_layers.values()), draft_capacity)
+            draft = {
+                layer: KVView(indptr, draft_lists[i, :heads], draft_hint)
+                for i, (layer, heads) in enumerate(self.sparse_layers.items())
+            }
         cu_seqlens_q = zeros(num_drafts + num_verifies + 1)
         cu_seqlens_q[: num_drafts + 1] = torch.arange(num_drafts + 1)  # drafts, padding ones too: one token each
         metadata = AttentionMetadata(
@@ -194,9 +199,7 @@ class StepGraphs:
         if drafts:
             lists = metadata.draft[self.first_sparse]
             _copy_padded(static.draft[self.first_sparse].kv_indptr, lists.kv_indptr)
-            count = lists.kv_indices.shape[-1]
-            for layer, buffer in step.draft_lists.items():
-                buffer[:, :count] = metadata.draft[layer].kv_indices
+            step.draft_lists[..., : lists.kv_indices.shape[-1]] = metadata.draft_lists
         if step.num_verifies:
             _copy_padded(static.cu_seqlens_q[padded_drafts:], metadata.cu_seqlens_q[drafts:] + shift)
             static.cu_seqlens_q_full.copy_(static.cu_seqlens_q[padded_drafts:] - padded_drafts)
@@ -228,6 +231,18 @@ class StepGraphs:
         with torch.cuda.graph(graph):  # a private memory pool: a re-captured bucket frees its old graph safely
             step.logits = self._run_forward(step)
         step.graph = graph
+
+    def replay_ms(self, repeats: int = 20) -> float:
+        """GPU time of one replay of the latest bucket, replayed back to back with no host work in between:
+        the device time of a step's forward alone (for benchmarks; the replays rewrite the same K/V)."""
+        assert self._last is not None and self._last.graph is not None, "no captured step replayed yet"
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            self._last.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
 
     @property
     def num_captured(self) -> int:

@@ -52,6 +52,8 @@ class AttentionMetadata:
     full: KVView  # lists of the requests from num_drafts on
     num_drafts: int = 0
     draft: dict[int, KVView] = field(default_factory=dict)  # per full-attention layer: per-KV-head lists
+    # The draft views' lists, stacked [sparse layers, Hkv, N] (their storage): one copy fills a graph's buffer.
+    draft_lists: torch.Tensor | None = None
     # Query-aware drafts pick their lists inside attention: (layer, draft queries, K cache, scale) -> lists.
     draft_select: Callable[[int, torch.Tensor, torch.Tensor, float], KVView] | None = None
     num_scored_queries: torch.Tensor | None = None  # [B - num_drafts]; 0 = not scored

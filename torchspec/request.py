@@ -56,7 +56,6 @@ class DraftRound:
 
     length: int | None = None  # drafts to make this round; None until the round starts
     tokens: list[int] = field(default_factory=list)
-    probs: list[Any] = field(default_factory=list)  # each draft's warped distribution ([V] tensor), or None (greedy)
     pattern: Any = None  # the draft policy's state, e.g. PillarAttn's Top-K positions per (layer, KV head)
     recent_start: int = 0  # first position written since the last verify: every draft step attends to it on
     entropies: list[float] = field(default_factory=list)  # each draft's predictive entropy (when a policy asks)

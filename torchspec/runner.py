@@ -9,6 +9,7 @@ from types import ModuleType
 import torch
 
 from torchspec.cuda_graphs import StepGraphs
+from torchspec.draft_probs import DraftProbsStore
 from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 from torchspec.kv_cache import KVPool, LayerSpec
@@ -46,6 +47,7 @@ class Runner:
         self.windows = sorted({layer.sliding_window for layer in layers if layer.sliding_window is not None})
         self.num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
         self.table = SlotTable(device)
+        self.draft_probs = DraftProbsStore(self.num_draft_slots, device)
         self.graphs = None
         if cuda_graphs:
             sparse = {layer: self.num_kv_heads[layer] for layer in (policy.sparse_layers if policy else [])}
@@ -86,13 +88,15 @@ class Runner:
         full = rows[num_drafts:], [0] * (len(rows) - num_drafts), ends[num_drafts:]
         # A sliding-window layer reads only the entries some query of this step can still see.
         windowed = {w: (rows, [max(0, start - w + 1) for start in starts], ends) for w in self.windows}
+        draft, draft_lists = self._draft_views(plan.scheduled[:num_drafts])
         metadata = AttentionMetadata(
             slot_mapping=slots,
             cu_seqlens_q=self._tensor(cu_seqlens_q),
             windowed={w: self._view(*ranges) for w, ranges in windowed.items()},
             full=self._view(*full),
             num_drafts=num_drafts,
-            draft=self._draft_views(plan.scheduled[:num_drafts]),
+            draft=draft,
+            draft_lists=draft_lists,
             draft_select=self._draft_selector(plan.scheduled[:num_drafts]),
             num_scored_queries=None if not any(scored) else self._tensor(scored),
             max_q_len=max(item.num_query_tokens for item in plan.scheduled),
@@ -113,17 +117,19 @@ class Runner:
         k_plus_1 = self.policy.config.k + 1
         return [min(item.num_query_tokens, k_plus_1) if item.samples else 0 for item in items]
 
-    def _draft_views(self, items: Sequence[ScheduledRequest]) -> dict[int, KVView]:
-        """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots)."""
+    def _draft_views(self, items: Sequence[ScheduledRequest]) -> tuple[dict[int, KVView], torch.Tensor | None]:
+        """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots),
+        and the stacked lists ``[layers, Hkv, N]`` the views slice."""
         if not items or self.policy.selects_in_attention:
-            return {}
+            return {}, None
         chosen = [self.policy.draft_positions(item.request, item.first_position) for item in items]
         fixed, recent_from = zip(*chosen, strict=True)
         view = self._draft_lists(items, fixed, recent_from)  # lists [layers, Hkv, N]
-        return {
+        views = {
             layer: KVView(view.kv_indptr, view.kv_indices[i, : self.num_kv_heads[layer]], view.max_len)
             for i, layer in enumerate(self.policy.sparse_layers)
         }
+        return views, view.kv_indices
 
     def _draft_lists(
         self, items: Sequence[ScheduledRequest], fixed: Sequence[torch.Tensor], recent_from: Sequence[int] | None
@@ -215,14 +221,17 @@ class Runner:
         stacked = None
         if any(scored) and self.policy.sparse_layers:
             stacked = torch.stack([metadata.mass[layer] for layer in self.policy.sparse_layers])
+        requests, spans, first_queries = [], [], []
         start = 0
         for item, count in zip(full_items, scored, strict=True):
             end = start + item.first_position + item.num_query_tokens
             if item.samples:
-                first_query = item.first_position + item.num_query_tokens - (count or item.num_query_tokens)
-                mass = stacked[..., start:end] if count and stacked is not None else None
-                self.policy.on_verify(item.request, mass, first_query)
+                requests.append(item.request)
+                spans.append((start, end))
+                first_queries.append(item.first_position + item.num_query_tokens - (count or item.num_query_tokens))
             start = end
+        if requests:
+            self.policy.on_verifies(requests, stacked, spans, first_queries)
 
     def _select(self, plan: StepPlan, logits: torch.Tensor, first_row: list[int]) -> list[StepResult]:
         """Tokens from the logits rows of each request: draft samples, verified tokens (see speculative.py).
@@ -249,10 +258,15 @@ class Runner:
         probs = warped_probs(logits[sampled_rows], [row_params[row] for row in sampled_rows]) if sampled_rows else None
         tokens = logits.argmax(dim=-1)
         drafts = [(item, row) for item, row in zip(plan.scheduled, first_row, strict=True) if item.phase is Phase.DRAFT]
-        sampled_drafts = [row for _, row in drafts if row in prob_index]
+        sampled_drafts = [(item, row) for item, row in drafts if row in prob_index]
         if sampled_drafts:
-            draws = torch.multinomial(probs[[prob_index[r] for r in sampled_drafts]], 1, generator=self.generator)
-            tokens[sampled_drafts] = draws[:, 0]
+            draft_probs = probs[[prob_index[row] for _, row in sampled_drafts]]
+            draws = torch.multinomial(draft_probs, 1, generator=self.generator)
+            tokens[[row for _, row in sampled_drafts]] = draws[:, 0]
+            table_rows = [self.table.row(item.request) for item, _ in sampled_drafts]
+            self.draft_probs.write(
+                table_rows, [len(item.request.round.tokens) for item, _ in sampled_drafts], draft_probs
+            )
         entropies = self._draft_entropies(logits, [row for _, row in drafts])
         verifies = [
             (item, row)
@@ -266,10 +280,7 @@ class Runner:
             if not item.samples:
                 results.append(StepResult())
             elif item.phase is Phase.DRAFT:
-                draft_probs = probs[prob_index[row]] if row in prob_index else None
-                results.append(
-                    StepResult(draft_token=argmax[row], draft_probs=draft_probs, draft_entropy=entropies.get(row))
-                )
+                results.append(StepResult(draft_token=argmax[row], draft_entropy=entropies.get(row)))
             else:
                 drafts_made = item.request.round.tokens if item.phase is Phase.VERIFY else []
                 if row in sampled:
@@ -292,7 +303,8 @@ class Runner:
         self, verifies: list[tuple[ScheduledRequest, int]], probs: torch.Tensor, prob_index: dict[int, int]
     ) -> dict[int, tuple[int, int]]:
         """Rejection sampling of every sampled verify (and final prefill chunk) of the step in one batch:
-        ``{first row: (accepted drafts, next token)}``. Proposed drafts (n-gram) count as point masses."""
+        ``{first row: (accepted drafts, next token)}``. Sampled drafts' distributions come from the draft-probs
+        store (written by their draft steps); proposed drafts (n-gram) count as point masses."""
         rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item, _ in verifies]
         n = max(len(tokens) for tokens in rounds)
         # A verify's rows are consecutive, all sampled (one request's parameters): so are their probs rows.
@@ -301,16 +313,13 @@ class Runner:
         steps = torch.arange(n + 1, device=self.device)
         target = probs[first[:, None] + torch.minimum(steps, num_drafts[:, None])]  # padding: the last row again
         drafts = self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
-        draft_probs = torch.zeros(len(rounds), n, probs.shape[-1], dtype=probs.dtype, device=probs.device)
-        stored = [(j, i, p) for j, (item, _) in enumerate(verifies) for i, p in enumerate(item.request.round.probs)]
-        computed = [(j, i, p) for j, i, p in stored if p is not None]
-        if computed:
-            j_index, i_index, rows = zip(*computed, strict=True)
-            draft_probs[list(j_index), list(i_index)] = torch.stack(rows)
-        proposed = [(j, i) for j, i, p in stored if p is None]
-        if proposed:
-            j_index, i_index = zip(*proposed, strict=True)
-            draft_probs[list(j_index), list(i_index), drafts[list(j_index), list(i_index)]] = 1.0
+        if self.policy is not None and self.policy.proposes_tokens:  # proposed drafts: point masses
+            draft_probs = torch.zeros(len(rounds), n, probs.shape[-1], dtype=probs.dtype, device=probs.device)
+            draft_probs.scatter_(2, drafts[..., None], (steps[:n] < num_drafts[:, None]).to(probs.dtype)[..., None])
+        elif n:
+            draft_probs = self.draft_probs.read([self.table.row(item.request) for item, _ in verifies], num_drafts, n)
+        else:
+            draft_probs = probs.new_zeros(len(rounds), 0, probs.shape[-1])
         accepted, next_token = accept_sampled(target, drafts, draft_probs, num_drafts, self.generator)
         pairs = zip(accepted.tolist(), next_token.tolist(), strict=True)
         return {row: pair for (_, row), pair in zip(verifies, pairs, strict=True)}

@@ -16,8 +16,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from torchspec.drafting import DraftPolicy
 from torchspec.kv_cache import SlotAllocator
 from torchspec.request import DraftRound, FinishReason, Request, RequestStatus
@@ -79,7 +77,6 @@ class StepResult:
     tokens: list[int] = field(default_factory=list)  # verify/prefill: accepted drafts + one new token
     num_accepted: int = 0  # drafts accepted (verify)
     draft_token: int | None = None  # draft step: the drafted token
-    draft_probs: torch.Tensor | None = None  # draft step: its warped distribution (sampling only)
     draft_entropy: float | None = None  # draft step: entropy of the draft's distribution (if the policy asks)
 
 
@@ -144,7 +141,6 @@ class Scheduler:
             current.length = 0
         elif self.policy.proposes_tokens:
             current.tokens = self.policy.propose(request, length)
-            current.probs = [None] * len(current.tokens)  # proposals: point masses (see runner)
             current.length = len(current.tokens)
         else:
             current.length = length
@@ -168,7 +164,6 @@ class Scheduler:
             if item.phase is Phase.DRAFT:
                 current = request.round
                 current.tokens.append(result.draft_token)
-                current.probs.append(result.draft_probs)
                 if result.draft_entropy is not None:
                     current.entropies.append(result.draft_entropy)
                 if not self.policy.continue_drafting(request):

@@ -38,13 +38,15 @@ def accept_sampled(
     """
     num_rounds, n = drafts.shape
     device = target_probs.device
+    if n == 0:  # plain decode steps: a sample from p
+        return num_drafts.new_zeros(num_rounds), torch.multinomial(target_probs[:, 0], 1, generator=generator)[:, 0]
     uniforms = torch.rand(num_rounds, n, generator=generator, device=device)
     p = target_probs[:, :n].gather(2, drafts[..., None])[..., 0]
     q = draft_probs.gather(2, drafts[..., None])[..., 0]
     steps = torch.arange(n, device=device)
     # u < p / q without dividing; strict, so p = 0 is never accepted (u can be 0)
     rejected = (steps < num_drafts[:, None]) & ~(uniforms * q < p)
-    first_rejected = torch.where(rejected, steps, n).amin(dim=1) if n else num_drafts.new_zeros(num_rounds)
+    first_rejected = torch.where(rejected, steps, n).amin(dim=1)
     accepted = first_rejected.minimum(num_drafts)
     rounds = torch.arange(num_rounds, device=device)
     target = target_probs[rounds, accepted]

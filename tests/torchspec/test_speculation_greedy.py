@@ -11,6 +11,8 @@ tests check that rounds happened, so none passes vacuously, and that no KV slot 
 
 from __future__ import annotations
 
+import itertools
+import unittest.mock
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +31,7 @@ from tests.torchspec.conftest import (
 )
 from torchspec import SpecConfig, sparsespec
 from torchspec.config import DRAFT_POLICIES
-from torchspec.drafting import POLICIES
+from torchspec.drafting import POLICIES, pillar
 from torchspec.drafting.pillar import PillarPolicy
 from torchspec.drafting.pillar_quest import PillarQuestPolicy
 from torchspec.kv_cache import LayerSpec
@@ -546,12 +548,15 @@ def test_pillar_pattern_is_top_k_of_the_verify_mass(spec, monkeypatch):
     num_kv_heads = wrapped.layers[0].num_kv_heads
     assert policy.sparse_layers == full_layers
     events: list[Any] = []
-    on_verify, draft_positions = policy.on_verify, policy.draft_positions
+    on_verifies, draft_positions = policy.on_verifies, policy.draft_positions
 
-    def spy_verify(request: Request, mass: torch.Tensor, first_query: int) -> None:
-        on_verify(request, mass, first_query)
-        state = request.round
-        events.append(PillarVerify(request.request_id, list(mass), first_query, state.pattern, state.recent_start))
+    def spy_verifies(requests: list[Request], mass: torch.Tensor, spans: list, first_queries: list[int]) -> None:
+        on_verifies(requests, mass, spans, first_queries)  # one batched Top-K for the step's verifies
+        for request, (start, end), first_query in zip(requests, spans, first_queries, strict=True):
+            state, request_mass = request.round, list(mass[..., start:end])
+            events.append(
+                PillarVerify(request.request_id, request_mass, first_query, state.pattern, state.recent_start)
+            )
 
     def spy_positions(request: Request, position: int) -> tuple[torch.Tensor, int]:
         chosen = draft_positions(request, position)
@@ -559,7 +564,7 @@ def test_pillar_pattern_is_top_k_of_the_verify_mass(spec, monkeypatch):
         events.append(DraftCall(request.request_id, position, positions, request.round.pattern, 0))
         return chosen
 
-    monkeypatch.setattr(policy, "on_verify", spy_verify)
+    monkeypatch.setattr(policy, "on_verifies", spy_verifies)
     monkeypatch.setattr(policy, "draft_positions", spy_positions)
     wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     assert_no_slot_leak(wrapped)
@@ -915,3 +920,28 @@ def test_smollm2_reasoning_is_lossless(smollm2, smollm2_reasoning, policy, monke
     check_rounds_happened(wrapped, recorder)
     if policy == "pillar":
         assert wrapped.last_stats.mean_accepted > 4, wrapped.last_stats.summary()
+
+
+@pytest.mark.parametrize("draft", ["pillar", "pillar_recent", "pillar_quest"])
+def test_pillar_batched_verifies_equal_one_by_one(draft):
+    """The runner hands a step's verifies to the policy at once (one padded Top-K): every request's pattern and
+    recent start equal what ``on_verify`` alone gives it, across contexts that need picks, contexts the budget
+    covers, and a chunk boundary of the batched scores."""
+    policy = POLICIES[draft](SpecConfig(draft=draft, k=4, min_budget=16, sparsity=0.05), _layer_specs([None, 8, None]))
+    generator = torch.Generator().manual_seed(0)
+    contexts = [700, 12, 333, 95, 1500, 64]
+    mass = torch.rand(len(policy.sparse_layers), 2, sum(contexts), generator=generator)
+    spans = list(itertools.pairwise(itertools.accumulate(contexts, initial=0)))
+    first_queries = [context - 5 for context in contexts]
+    alone = [_request(context) for context in contexts]
+    for request, (start, end), first_query in zip(alone, spans, first_queries, strict=True):
+        policy.on_verify(request, mass[..., start:end], first_query)
+    for max_elements in (1 << 26, 2 * 2 * 1500):  # one batch; one request per chunk
+        batched = [_request(context) for context in contexts]
+        with unittest.mock.patch.object(pillar, "MAX_SCORE_ELEMENTS", max_elements):
+            policy.on_verifies(batched, mass, spans, first_queries)
+        for one, many in zip(alone, batched, strict=True):
+            assert one.round.recent_start == many.round.recent_start
+            assert torch.equal(one.round.pattern, many.round.pattern)
+    assert any(request.round.pattern.dim() == 3 for request in alone), "no context needed picks"
+    assert any(request.round.pattern.dim() == 1 for request in alone), "no context was covered by the budget"

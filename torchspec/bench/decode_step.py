@@ -49,10 +49,14 @@ def measure(model: torch.nn.Module, batch: int, context: int, steps: int, seed: 
         for i in range(batch)
     ]
     timings: list[tuple[float, float, int]] = []  # (wall s, host s, summed context) per decode step
+    prefill_tokens, prefill_s = 0, 0.0  # steps of prefill chunks only
     last_wall, last_cpu = time.perf_counter(), time.process_time()
     progress = tqdm(total=steps + 2, desc="decode steps", unit="step")
     for plan, _ in engine.steps(requests):
         wall, cpu = time.perf_counter(), time.process_time()
+        if all(item.phase is Phase.PREFILL for item in plan.scheduled):
+            prefill_tokens += plan.num_tokens
+            prefill_s += wall - last_wall
         decode = all(item.phase is Phase.VERIFY and item.num_query_tokens == 1 for item in plan.scheduled)
         if decode and len(plan.scheduled) == batch:
             timings.append((wall - last_wall, cpu - last_cpu, sum(i.first_position + 1 for i in plan.scheduled)))
@@ -66,6 +70,8 @@ def measure(model: torch.nn.Module, batch: int, context: int, steps: int, seed: 
     kv_bytes = statistics.median(t[2] for t in timings) * bytes_per_token(wrapped.layers, engine.dtype)
     roofline_s = (weight_bytes + kv_bytes) / PEAK_BYTES_PER_S
     step_s = statistics.median(t[0] for t in timings)
+    graphs = engine.runner.graphs
+    replay_ms = graphs.replay_ms() if graphs is not None and graphs.capture else None
     return {
         "batch": batch,
         "context": context,
@@ -74,6 +80,9 @@ def measure(model: torch.nn.Module, batch: int, context: int, steps: int, seed: 
         "host_ms": 1e3 * statistics.median(t[1] for t in timings),
         "roofline_ms": 1e3 * roofline_s,
         "x_roofline": step_s / roofline_s,
+        "replay_ms": replay_ms,  # the step's forward alone on the GPU (graphs only)
+        "replay_x_roofline": replay_ms / 1e3 / roofline_s if replay_ms is not None else None,
+        "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
         "weight_gb": weight_bytes / 1e9,
         "kv_gb": kv_bytes / 1e9,
         "tokens_per_s": batch / step_s,
@@ -98,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
         f"(host {record['host_ms']:.2f} ms), roofline {record['roofline_ms']:.2f} ms "
         f"({record['weight_gb']:.2f} GB weights + {record['kv_gb']:.2f} GB K/V): {record['x_roofline']:.2f}x"
     )
+    if record["replay_ms"] is not None:
+        print(f"graph replay alone: {record['replay_ms']:.2f} ms ({record['replay_x_roofline']:.2f}x the roofline)")
+    if record["prefill_tokens_per_s"] is not None:
+        print(f"prefill: {record['prefill_tokens_per_s']:,.0f} tokens/s")
     append_record(args.out, record)
 
 

@@ -3,13 +3,13 @@
     python -m torchspec.bench.host_step --batch 256 --drafts none pillar_recent --out host.jsonl
 
 With CUDA graphs the GPU forward of a decoding step is one replay, so what remains of a step is host work:
-scheduling, slot lists, token selection, speculation bookkeeping. This measures that floor on any machine
-(no GPU needed): a tiny random Llama with SmolLM2's vocabulary runs the prefill for real, then every
-decoding step goes through the padded static path of ``cuda_graphs=True`` with the forward swapped for
-random logits (and random verify scores). The vocabulary is small on purpose: on a GPU the work over the
-whole vocabulary (softmax, sampling) is device time, not host time, and on a CPU it would swamp what this
-measures. Reported: the median wall time of full-batch decoding steps, measured between consecutive engine
-steps (everything the engine does per step).
+scheduling, slot lists, token selection, speculation bookkeeping. This measures that floor on any machine (no
+GPU needed): a tiny random Llama with SmolLM2's vocabulary runs the prefill for real, then every decoding step
+goes through the padded static path of ``cuda_graphs=True`` with the forward swapped for random logits (and
+random verify scores); the static buffers are filled as for a replay. The vocabulary is small on purpose: on a
+GPU the work over the whole vocabulary (softmax, sampling) is device time, not host time, and on a CPU it
+would swamp what this measures. Reported: the median wall time of full-batch decoding steps, measured between
+consecutive engine steps (everything the engine does per step).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _tiny_model(seed: int) -> torch.nn.Module:
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=30,  # SmolLM2's depth: per-layer host work (draft lists, verify scores) counts
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=8192,
@@ -55,13 +55,15 @@ def measure(batch: int, prompt_len: int, new_tokens: int, draft: str | None, tem
     sparse_layers = engine.policy.sparse_layers if engine.policy is not None else []
     generator = torch.Generator().manual_seed(seed)
 
-    def random_logits(input_ids, position_ids, metadata, rows, max_list_len):
-        if metadata.num_scored_queries is not None:
-            entries = metadata.full.kv_indices.shape[-1]
-            metadata.mass = {layer: torch.rand(2, entries, generator=generator) for layer in sparse_layers}
-        return torch.randn(len(rows), VOCAB_SIZE, generator=generator)
+    def random_forward(step):
+        static = step.metadata
+        if static.num_scored_queries is not None:
+            entries = static.full.kv_indices.shape[-1]
+            masses = torch.rand(len(sparse_layers), 2, entries, generator=generator).unbind(0)
+            static.mass = dict(zip(sparse_layers, masses, strict=True))
+        return torch.randn(step.input_ids.shape[1], VOCAB_SIZE, generator=generator)
 
-    graphs.logits = random_logits
+    graphs._run_forward = random_forward
     params = SamplingParams(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=temperature > 0, temperature=temperature or 1.0
     )

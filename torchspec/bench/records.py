@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from attention import BACKENDS
+
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
@@ -21,11 +23,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype: str = "bfloat16"
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model forward")
     parser.add_argument("--cuda-graphs", action="store_true", help="replay decoding steps from CUDA graphs")
+    parser.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention op set")
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, bool | None]:
+def engine_options(args: argparse.Namespace) -> dict[str, bool | str | None]:
     """``wrap()`` options from :func:`add_engine_arguments` (None = the engine's default)."""
-    return {"compile": args.compile or None, "cuda_graphs": args.cuda_graphs or None}
+    options = {"compile": args.compile or None, "cuda_graphs": args.cuda_graphs or None}
+    if args.attention_backend != "auto":
+        options["attention_backend"] = args.attention_backend
+    return options
 
 
 def environment(device: torch.device | str, dtype: torch.dtype | str) -> dict[str, str]:

@@ -91,3 +91,17 @@ class DraftPolicy:
         when some layer drafts sparsely) is ``[len(sparse_layers), num_kv_heads, context]`` on the model's
         device: the exact attention mass per position, reduced on the device."""
         request.round.recent_start = first_query_position
+
+    def on_verifies(
+        self,
+        requests: Sequence[Request],
+        mass: torch.Tensor | None,
+        spans: Sequence[tuple[int, int]],
+        first_query_positions: Sequence[int],
+    ) -> None:
+        """``on_verify`` for all verifies of a step at once (what the runner calls): request j's mass is
+        ``mass[..., start:end]`` for ``(start, end) = spans[j]``, entries of one ``[layers, Hkv, entries]``
+        tensor. One call per step lets a policy batch its device work (PillarAttn: one Top-K per step, not one
+        per request)."""
+        for request, (start, end), first_query in zip(requests, spans, first_query_positions, strict=True):
+            self.on_verify(request, None if mass is None else mass[..., start:end], first_query)

@@ -12,6 +12,8 @@ from torchspec.drafting.base import DraftPolicy
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
 
+MAX_SCORE_ELEMENTS = 1 << 26  # padded candidate scores of one batched Top-K (256 MiB of fp32); larger: chunks
+
 
 class PillarPolicy(DraftPolicy):
     """Top-K over the verify step's exact attention mass (averaged over its queries and each GQA group's query
@@ -34,30 +36,79 @@ class PillarPolicy(DraftPolicy):
         self.successors = config.successors
 
     def on_verify(self, request: Request, mass: torch.Tensor | None, first_query_position: int) -> None:
-        # Positions before the verify's queries and the recent window compete for the rest of the budget. The
-        # window takes at most half the budget (small budgets keep room for Top-K picks) and shrinks when the
-        # budget cannot hold it next to the verify's queries.
         context = mass.shape[-1] if mass is not None else first_query_position
-        budget = self.budget(context)
-        window = min(self.window, budget // 2, max(0, budget - (context - first_query_position)))
-        older = max(0, first_query_position - window)
-        super().on_verify(request, mass, older)
-        sinks = min(self.num_sinks, older)
-        num_selected = min(older - sinks, max(0, budget - (context - older) - sinks))
+        self.on_verifies([request], mass, [(0, context)], [first_query_position])
+
+    def on_verifies(
+        self,
+        requests: Sequence[Request],
+        mass: torch.Tensor | None,
+        spans: Sequence[tuple[int, int]],
+        first_query_positions: Sequence[int],
+    ) -> None:
+        """Every request's pattern from one Top-K over the step's verifies (padded to the longest candidate
+        run), so the device work per step does not grow with the number of verifies."""
+        covered, picked = [], []  # (request, older); (request, first entry, sinks, older, picks)
+        for request, (start, end), first_query in zip(requests, spans, first_query_positions, strict=True):
+            # Positions before the verify's queries and the recent window compete for the rest of the budget.
+            # The window takes at most half the budget (small budgets keep room for Top-K picks) and shrinks
+            # when the budget cannot hold it next to the verify's queries.
+            context = end - start if mass is not None else first_query
+            budget = self.budget(context)
+            window = min(self.window, budget // 2, max(0, budget - (context - first_query)))
+            older = max(0, first_query - window)
+            request.round.recent_start = older
+            sinks = min(self.num_sinks, older)
+            num_selected = min(older - sinks, max(0, budget - (context - older) - sinks))
+            if num_selected == older - sinks or mass is None:  # the budget covers it all, or no sparse layer
+                covered.append((request, older))
+                continue
+            share = int(num_selected * self.verify_share)
+            count = max(1, share // (self.successors + 1)) if share else 0
+            picked.append((request, start, sinks, older, count))
         device = mass.device if mass is not None else None
-        if num_selected == older - sinks or mass is None:  # the budget covers it all, or no layer drafts sparsely
-            request.round.pattern = torch.arange(older, device=device)
+        if covered:
+            everything = torch.arange(max(older for _, older in covered), device=device)
+            for request, older in covered:
+                request.round.pattern = everything[:older]
+        if not picked:
             return
-        num_selected = int(num_selected * self.verify_share)
-        scores = mass[..., sinks:older]  # [layers, Hkv, candidates]
+        chunk = max(1, MAX_SCORE_ELEMENTS // (mass.shape[0] * mass.shape[1] * max(o for _, _, _, o, _ in picked)))
+        for first in range(0, len(picked), chunk):
+            self._select_patterns(mass, picked[first : first + chunk])
+
+    def _select_patterns(self, mass: torch.Tensor, picked: list[tuple[Request, int, int, int, int]]) -> None:
+        """Top-K of each request's candidates (positions ``sinks .. older - 1``), as its sorted pattern."""
+        device = mass.device
+        requests, bounds, sinks, older, counts = zip(*picked, strict=True)
         span = self.successors + 1
-        count = max(1, num_selected // span) if num_selected else 0
-        picks = _head_budget_picks(scores, count) if self.config.head_budgets else scores.topk(count, dim=-1).indices
-        pattern = _expand_successors(torch.where(picks >= 0, picks + sinks, -1), span, older)
+        if self.config.head_budgets:  # per request: its own Top-K over all heads of a layer
+            for request, bound, sink, old, count in picked:
+                picks = _head_budget_picks(mass[..., bound + sink : bound + old], count)
+                self._store(request, _expand_successors(torch.where(picks >= 0, picks + sink, -1), span, old), sink)
+            return
+        meta = torch.tensor([bounds, sinks, older, counts], dtype=torch.int64, device=device)
+        bound, sink, old, count = (column[:, None] for column in meta)  # [J, 1]
+        width = max(o - s for o, s in zip(older, sinks, strict=True))
+        offsets = torch.arange(width, device=device)
+        valid = offsets < old - sink  # [J, width]
+        scores = mass[..., torch.where(valid, bound + sink + offsets, 0)]  # [layers, Hkv, J, width]
+        scores = scores.masked_fill(~valid, float("-inf"))
+        ranks = torch.arange(max(counts), device=device)
+        picks = scores.topk(max(counts), dim=-1).indices.permute(2, 0, 1, 3)  # [J, layers, Hkv, max count]
+        picks = torch.where(ranks < count[:, :, None, None], picks + sink[:, :, None, None], -1)
+        patterns = _expand_successors(picks, span, old[:, :, None, None])  # -1 padding sorts first
+        for j, request in enumerate(requests):
+            self._store(request, patterns[j, ..., patterns.shape[-1] - counts[j] * span :], sinks[j])
+
+    @staticmethod
+    def _store(request: Request, pattern: torch.Tensor, sinks: int) -> None:
+        """The round's pattern: the sinks (when any) then the picks; stays on the device, where the runner
+        builds the draft lists."""
         if sinks:
-            sink_positions = torch.arange(sinks, device=device).expand(*pattern.shape[:2], -1)
+            sink_positions = torch.arange(sinks, device=pattern.device).expand(*pattern.shape[:2], -1)
             pattern = torch.cat([sink_positions, pattern], dim=-1)
-        request.round.pattern = pattern  # stays on the device: the runner builds draft lists there
+        request.round.pattern = pattern
 
     def draft_positions(self, request: Request, position: int) -> tuple[torch.Tensor, int]:
         return request.round.pattern, request.round.recent_start

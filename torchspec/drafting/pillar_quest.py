@@ -36,9 +36,16 @@ class PillarQuestPolicy(PillarPolicy):
         self.window = config.recent_window or DEFAULT_WINDOW
         self.layer_index = {layer: i for i, layer in enumerate(self.sparse_layers)}
 
-    def on_verify(self, request: Request, mass: torch.Tensor | None, first_query_position: int) -> None:
-        super().on_verify(request, mass, first_query_position)
-        request.round.selections = {}  # the next round's first draft chooses its pages afresh
+    def on_verifies(
+        self,
+        requests: Sequence[Request],
+        mass: torch.Tensor | None,
+        spans: Sequence[tuple[int, int]],
+        first_query_positions: Sequence[int],
+    ) -> None:
+        super().on_verifies(requests, mass, spans, first_query_positions)
+        for request in requests:
+            request.round.selections = {}  # the next round's first draft chooses its pages afresh
 
     def select_positions(
         self, request: Request, position: int, layer: int, query: torch.Tensor, keys: torch.Tensor, scale: float

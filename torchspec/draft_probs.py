@@ -1,0 +1,47 @@
+"""The warped distributions of a round's drafts, kept on the device from the draft steps to the verify.
+
+Rejection sampling needs, at the verify, the distribution q each draft token was sampled from. Each step writes
+the rows of all its sampled draft requests at once into one ``[rows, k, V]`` buffer (row: the request's
+slot-table row; column: the draft's index in its round) and the verify reads every verify's drafts with one
+gather. Keeping a tensor per draft instead cost a view per draft and a stack per verify: hundreds of small
+host-side ops per step at batch 256.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class DraftProbsStore:
+    """``[rows, k, V]`` fp32 on the device, grown on demand (rows double, like the slot table)."""
+
+    def __init__(self, k: int, device: torch.device) -> None:
+        self.k = k
+        self.device = device
+        self.probs: torch.Tensor | None = None
+
+    def write(self, rows: Sequence[int], draft_indices: Sequence[int], probs: torch.Tensor) -> None:
+        """Store ``probs[i]`` as draft ``draft_indices[i]`` of the request in slot-table row ``rows[i]``."""
+        if not rows:
+            return
+        needed = max(rows) + 1
+        if self.probs is None or needed > self.probs.shape[0] or probs.shape[-1] != self.probs.shape[-1]:
+            grown = torch.zeros(max(8, needed, 2 * self._rows), self.k, probs.shape[-1], device=self.device)
+            if self.probs is not None and probs.shape[-1] == self.probs.shape[-1]:
+                grown[: self._rows] = self.probs
+            self.probs = grown
+        index = torch.tensor([rows, draft_indices], dtype=torch.int64).to(self.device, non_blocking=True)
+        self.probs[index[0], index[1]] = probs
+
+    def read(self, rows: Sequence[int], num_drafts: torch.Tensor, width: int) -> torch.Tensor:
+        """``[J, width, V]``: the first ``num_drafts[j]`` drafts of row ``rows[j]``, zeros past them."""
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        stored = self.probs[index, :width]
+        present = torch.arange(width, device=self.device) < num_drafts[:, None]
+        return torch.where(present[..., None], stored, 0.0)
+
+    @property
+    def _rows(self) -> int:
+        return 0 if self.probs is None else self.probs.shape[0]
