@@ -26,21 +26,27 @@ class DraftProbsStore:
         """Store ``probs[i]`` as draft ``draft_indices[i]`` of the request in slot-table row ``rows[i]``."""
         if not rows:
             return
-        needed = max(rows) + 1
-        if self.probs is None or needed > self.probs.shape[0] or probs.shape[-1] != self.probs.shape[-1]:
-            grown = torch.zeros(max(8, needed, 2 * self._rows), self.k, probs.shape[-1], device=self.device)
-            if self.probs is not None and probs.shape[-1] == self.probs.shape[-1]:
-                grown[: self._rows] = self.probs
-            self.probs = grown
+        self._reserve(max(rows) + 1, probs.shape[-1])
         index = torch.tensor([rows, draft_indices], dtype=torch.int64).to(self.device, non_blocking=True)
         self.probs[index[0], index[1]] = probs
 
-    def read(self, rows: Sequence[int], num_drafts: torch.Tensor, width: int) -> torch.Tensor:
-        """``[J, width, V]``: the first ``num_drafts[j]`` drafts of row ``rows[j]``, zeros past them."""
+    def read(self, rows: Sequence[int], num_drafts: torch.Tensor, width: int, vocab_size: int) -> torch.Tensor:
+        """``[J, width, V]``: the first ``num_drafts[j]`` drafts of row ``rows[j]``, zeros past them (a verify
+        without drafts, e.g. a final prompt chunk, may sit in a row no draft step wrote yet)."""
+        self._reserve(max(rows) + 1, vocab_size)
         index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         stored = self.probs[index, :width]
         present = torch.arange(width, device=self.device) < num_drafts[:, None]
         return torch.where(present[..., None], stored, 0.0)
+
+    def _reserve(self, rows: int, vocab_size: int) -> None:
+        """Room for ``rows`` rows of ``vocab_size`` entries (rows double; what the buffer held is kept)."""
+        if self.probs is not None and rows <= self.probs.shape[0] and vocab_size == self.probs.shape[-1]:
+            return
+        grown = torch.zeros(max(8, rows, 2 * self._rows), self.k, vocab_size, device=self.device)
+        if self.probs is not None and vocab_size == self.probs.shape[-1]:
+            grown[: self._rows] = self.probs
+        self.probs = grown
 
     @property
     def _rows(self) -> int:

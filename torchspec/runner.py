@@ -317,7 +317,8 @@ class Runner:
             draft_probs = torch.zeros(len(rounds), n, probs.shape[-1], dtype=probs.dtype, device=probs.device)
             draft_probs.scatter_(2, drafts[..., None], (steps[:n] < num_drafts[:, None]).to(probs.dtype)[..., None])
         elif n:
-            draft_probs = self.draft_probs.read([self.table.row(item.request) for item, _ in verifies], num_drafts, n)
+            rows = [self.table.row(item.request) for item, _ in verifies]
+            draft_probs = self.draft_probs.read(rows, num_drafts, n, probs.shape[-1])
         else:
             draft_probs = probs.new_zeros(len(rounds), 0, probs.shape[-1])
         accepted, next_token = accept_sampled(target, drafts, draft_probs, num_drafts, self.generator)
