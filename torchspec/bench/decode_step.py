@@ -49,14 +49,17 @@ def measure(model: torch.nn.Module, batch: int, context: int, steps: int, seed: 
         for i in range(batch)
     ]
     timings: list[tuple[float, float, int]] = []  # (wall s, host s, summed context) per decode step
-    prefill_tokens, prefill_s = 0, 0.0  # steps of prefill chunks only
+    prefill_tokens, prefill_s, warm_up = 0, 0.0, 2  # steps carrying prompt chunks, after the first two (JIT)
     last_wall, last_cpu = time.perf_counter(), time.process_time()
     progress = tqdm(total=steps + 2, desc="decode steps", unit="step")
     for plan, _ in engine.steps(requests):
         wall, cpu = time.perf_counter(), time.process_time()
-        if all(item.phase is Phase.PREFILL for item in plan.scheduled):
-            prefill_tokens += plan.num_tokens
-            prefill_s += wall - last_wall
+        chunk_tokens = sum(item.num_query_tokens for item in plan.scheduled if item.phase is Phase.PREFILL)
+        if chunk_tokens:  # next to at most ``batch`` one-token decodes: the step is the chunk's cost
+            warm_up -= 1
+            if warm_up < 0:
+                prefill_tokens += chunk_tokens
+                prefill_s += wall - last_wall
         decode = all(item.phase is Phase.VERIFY and item.num_query_tokens == 1 for item in plan.scheduled)
         if decode and len(plan.scheduled) == batch:
             timings.append((wall - last_wall, cpu - last_cpu, sum(i.first_position + 1 for i in plan.scheduled)))
