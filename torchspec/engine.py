@@ -52,7 +52,7 @@ class Engine:
             self.policy,
             generator,
             compile_model=bool(config.compile),
-            cuda_graphs=bool(config.cuda_graphs),
+            cuda_graphs=self.device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs,
             max_batch_size=config.max_batch_size,
         )
         self.num_draft_slots = self.runner.num_draft_slots
