@@ -24,6 +24,10 @@ def test_throughput_record_counts_the_real_work(smollm2):
     assert plain["steps"] >= 12  # a prefill step, then one decode step per token
     speculative = measure(model, prompts, "pillar_recent", max_new_tokens=12, temperature=0.0)
     assert speculative["generated_tokens"] == 24 and speculative["mean_accepted"] > 0
+    p50, p90, slowest = speculative["latency_s_p50_p90_max"]
+    assert 0 < p50 <= p90 <= slowest <= speculative["seconds"]
+    low, mid, high = speculative["request_accepted_p10_p50_p90"]
+    assert 0 <= low <= mid <= high <= 8 and high > 0
 
 
 def test_decode_step_record_times_full_batch_decode_steps():
@@ -43,9 +47,11 @@ def test_decode_step_record_times_full_batch_decode_steps():
 
 def test_host_step_times_decoding_steps_without_a_forward():
     """The host-time benchmark runs full-batch decoding steps with the forward replaced (plain and
-    speculative) and reports a positive median over them; speculation really drafted."""
-    plain = host_step.measure(batch=4, prompt_len=20, new_tokens=12, draft=None, temperature=0.65)
+    speculative), alternately timed and op-counted, and reports positive medians; speculation really drafted."""
+    plain = host_step.measure(batch=4, prompt_len=20, new_tokens=20, draft=None, temperature=0.65)
     assert plain["steps_timed"] >= 8 and plain["host_ms_per_step"] > 0 and plain["mean_accepted"] == 0
-    speculative = host_step.measure(batch=4, prompt_len=20, new_tokens=12, draft="pillar_recent", temperature=0.0)
+    assert plain["ops_per_step"] > 0
+    speculative = host_step.measure(batch=4, prompt_len=20, new_tokens=20, draft="pillar_recent", temperature=0.0)
     assert speculative["steps_timed"] >= 8 and speculative["host_ms_per_step"] > 0
+    assert speculative["ops_per_step"] > 0
     assert speculative["rounds"] > 0 and plain["rounds"] == 0

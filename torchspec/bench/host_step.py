@@ -8,17 +8,20 @@ GPU needed): a tiny random Llama with SmolLM2's vocabulary runs the prefill for 
 goes through the padded static path of ``cuda_graphs=True`` with the forward swapped for random logits (and
 random verify scores); the static buffers are filled as for a replay. The vocabulary is small on purpose: on a
 GPU the work over the whole vocabulary (softmax, sampling) is device time, not host time, and on a CPU it
-would swamp what this measures. Reported: the median wall time of full-batch decoding steps, measured between
-consecutive engine steps (everything the engine does per step).
+would swamp what this measures. Reported: the median wall time of full-batch decoding steps (everything the engine
+does per step; every other step) and the median count of tensor ops the other steps dispatch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
 from torchspec import sparsespec
@@ -44,6 +47,20 @@ def _tiny_model(seed: int) -> torch.nn.Module:
         max_position_embeddings=8192,
     )
     return LlamaForCausalLM(config).eval()
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the tensor operations dispatched while active: on a GPU each costs the host a dispatch and
+    usually a kernel launch (~5-20 us), which a CPU run underweights, so the count is reported next to the
+    time as the machine-independent measure of a step's host work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def measure(batch: int, prompt_len: int, new_tokens: int, draft: str | None, temperature: float, seed: int = 0) -> dict:
@@ -72,19 +89,28 @@ def measure(batch: int, prompt_len: int, new_tokens: int, draft: str | None, tem
         for i in range(batch)
     ]
     step_times: list[float] = []
-    last = time.perf_counter()
-    for plan, _ in tqdm(engine.steps(requests), desc=f"host steps ({draft})", unit="step"):
-        now = time.perf_counter()
+    op_counts: list[int] = []
+    counter = _OpCounter()
+    steps = iter(engine.steps(requests))
+    for index in tqdm(itertools.count(), desc=f"host steps ({draft})", unit="step"):
+        counting = index % 2 == 1  # odd steps count ops (the count slows them), even steps are timed
+        counter.count = 0
+        start = time.perf_counter()
+        with counter if counting else contextlib.nullcontext():
+            plan, _ = next(steps, (None, None))
+        elapsed = time.perf_counter() - start
+        if plan is None:
+            break
         decoding = all(item.phase is not Phase.PREFILL for item in plan.scheduled)
         if decoding and len(plan.scheduled) == batch:
-            step_times.append(now - last)
-        last = now
+            (op_counts if counting else step_times).append(counter.count if counting else elapsed)
     stats = engine.stats_for(requests)
     return {
         "draft": draft,
         "batch": batch,
         "steps_timed": len(step_times),
         "host_ms_per_step": 1e3 * statistics.median(step_times),
+        "ops_per_step": statistics.median(op_counts),  # tensor ops dispatched (each a launch or more on a GPU)
         "tokens_per_step": stats.generated_tokens / max(stats.steps, 1),
         "rounds": stats.num_rounds,
         "mean_accepted": stats.mean_accepted,
@@ -105,7 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         record = measure(
             args.batch, args.prompt_len, args.new_tokens, None if draft == "none" else draft, args.temperature
         )
-        print(f"draft={draft}: {record['host_ms_per_step']:.2f} ms of host time per step at batch {args.batch}")
+        print(
+            f"draft={draft}: {record['host_ms_per_step']:.2f} ms of host time and {record['ops_per_step']:.0f} "
+            f"tensor ops per step at batch {args.batch}"
+        )
         append_record(args.out, record)
 
 

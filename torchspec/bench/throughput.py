@@ -29,6 +29,12 @@ from torchspec.models import load_model
 from torchspec.workloads import chat_token_ids, read_prompts
 
 
+def _quantiles(values: Sequence[float], levels: Sequence[float]) -> list[float]:
+    """Nearest-rank quantiles (1.0: the maximum)."""
+    ordered = sorted(values)
+    return [ordered[min(len(ordered) - 1, int(level * len(ordered)))] for level in levels]
+
+
 def measure(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -69,6 +75,9 @@ def measure(
         "cpu_ms_per_step": 1e3 * cpu_seconds / max(stats.steps, 1),  # host time (all threads) per engine step
         "options": {name: str(value) for name, value in options.items()},
         "mean_accepted": stats.mean_accepted,
+        # The batch's tail: a run lasts as long as its slowest request; per-request spread of both.
+        "latency_s_p50_p90_max": _quantiles([o.stats.latency_s for o in outputs], (0.5, 0.9, 1.0)),
+        "request_accepted_p10_p50_p90": _quantiles([o.stats.mean_accepted for o in outputs], (0.1, 0.5, 0.9)),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         **environment(device, next(model.parameters()).dtype),
     }
