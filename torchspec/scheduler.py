@@ -70,7 +70,7 @@ class StepPlan:
         return sum(item.num_query_tokens for item in self.scheduled)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     """What the runner produced for one scheduled request."""
 
@@ -110,8 +110,9 @@ class Scheduler:
         self._admit()
         budget = self.max_step_tokens
         scheduled: list[ScheduledRequest] = []
-        for request in sorted(self.running, key=lambda r: not r.decoding):
-            item = self._next_step(request) if request.decoding else None
+        flags = [(request, request.decoding) for request in self.running]
+        for request, decodes in sorted(flags, key=lambda entry: not entry[1]):  # decoding first, order kept
+            item = self._next_step(request) if decodes else None
             if item is None:
                 if budget == 0:
                     break
@@ -119,8 +120,9 @@ class Scheduler:
             elif item.num_query_tokens > budget and scheduled:
                 break
             budget = max(0, budget - item.num_query_tokens)
-            last_position = item.first_position + item.num_query_tokens - 1
-            request.slots.extend(self.allocator.allocate(max(0, last_position + 1 - len(request.slots))))
+            missing = item.first_position + item.num_query_tokens - len(request.slots)  # slots up to the last query
+            if missing > 0:
+                request.slots.extend(self.allocator.allocate(missing))
             scheduled.append(item)
         scheduled.sort(key=lambda item: item.phase is not Phase.DRAFT)
         return StepPlan(scheduled)
