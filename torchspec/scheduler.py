@@ -11,7 +11,6 @@ request never runs out of slots and nothing is evicted or recomputed: requests t
 from __future__ import annotations
 
 import enum
-import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,24 +26,23 @@ class Phase(enum.Enum):
     VERIFY = "verify"  # newest token + drafts with full attention; accepts drafts, adds one token
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     phase: Phase
     num_query_tokens: int
+    # Read many times per step and fixed until the step is committed: computed once, when scheduled.
+    first_position: int = field(init=False)  # of the first query token (drafts sit after the newest accepted)
+    samples: bool = field(init=False)  # the step produces tokens for it (all but a prefill chunk short of the end)
 
-    # Both are read many times per step and fixed until the step is committed: computed once.
-    @functools.cached_property
-    def first_position(self) -> int:
-        """Position of the first query token (drafts sit after the newest accepted token)."""
-        return self.request.num_computed_tokens + (len(self.request.round.tokens) if self.phase is Phase.DRAFT else 0)
-
-    @functools.cached_property
-    def samples(self) -> bool:
-        """Whether the step produces tokens for this request (all but a prefill chunk short of the end)."""
-        if self.phase is not Phase.PREFILL:
-            return True
-        return self.request.num_computed_tokens + self.num_query_tokens == len(self.request.token_ids)
+    def __post_init__(self) -> None:
+        request = self.request
+        self.first_position = request.num_computed_tokens + (
+            len(request.round.tokens) if self.phase is Phase.DRAFT else 0
+        )
+        self.samples = self.phase is not Phase.PREFILL or request.num_computed_tokens + self.num_query_tokens == len(
+            request.token_ids
+        )
 
     def query_token_ids(self) -> list[int]:
         request = self.request
@@ -172,9 +170,8 @@ class Scheduler:
                     current.length = len(current.tokens)
                 continue
             if item.phase is Phase.PREFILL:
-                samples = item.samples  # (before the prefilled tokens count as computed)
                 request.num_computed_tokens += item.num_query_tokens
-                if not samples:
+                if not item.samples:
                     continue
             else:
                 self._record_round(request, item, result)
