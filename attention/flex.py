@@ -35,8 +35,9 @@ def _block_mask(
     Built once per step (every layer of a step passes the same metadata tensors) and straight from the packing,
     on the device: requests are contiguous in both the queries and the entries, so the entries a query tile
     can see are one run of KV tiles, from the first visible entry of its first query's request to the last
-    visible entry of its last query. Only ``mask_mod`` is evaluated per element, inside those tiles, never a
-    dense ``tokens x entries`` grid (``create_block_mask`` does that: minutes at 64K x 64K)."""
+    visible entry of its last query. Tiles where every query sees every entry are listed as full (FlexAttention
+    skips ``mask_mod`` there); ``mask_mod`` runs only on the partial ones, never over a dense ``tokens x
+    entries`` grid (``create_block_mask`` evaluates that: minutes at 64K x 64K)."""
     global _last_mask
     key = (cu_seqlens_q, kv_indptr, sliding_window)
     if _last_mask is not None and all(a is b for a, b in zip(_last_mask[0], key, strict=True)):
@@ -63,11 +64,33 @@ def _block_mask(
         first_entry = first_entry + (q_visible[first_query] - sliding_window + 1).clamp(min=0)
     last_entry = kv_indptr[q_request[last_query]] + q_visible[last_query]
     first_tile, last_tile = first_entry // BLOCK_SIZE, last_entry // BLOCK_SIZE
+    # Full tiles skip mask_mod: the query tile holds one request's queries and every one of them sees every
+    # entry of the KV tile (from the latest lower bound to the earliest upper bound of the tile's queries).
+    request_start = kv_indptr[q_request[first_query]]
+    seen_by_all_from = request_start
+    if sliding_window is not None:
+        seen_by_all_from = seen_by_all_from + (q_visible[last_query] - sliding_window + 1).clamp(min=0)
+    seen_by_all_to = request_start + q_visible[first_query]  # inclusive
+    first_full = -(-seen_by_all_from // BLOCK_SIZE)
+    one_request = q_request[first_query] == q_request[last_query]
+    num_full = torch.where(one_request, ((seen_by_all_to + 1) // BLOCK_SIZE - first_full).clamp(min=0), 0)
+    # Partial tiles: the run first_tile..last_tile without the full ones (a run on each side of them).
+    listed = last_tile - first_tile + 1
+    left = torch.where(num_full > 0, first_full - first_tile, listed)
+    right_start = first_full + num_full
+    num_partial = left + torch.where(num_full > 0, last_tile - right_start + 1, 0)
     num_tiles = -(-num_entries // BLOCK_SIZE)
-    tiles = (first_tile[:, None] + torch.arange(num_tiles, device=device)).clamp(max=num_tiles - 1)
+    offsets = torch.arange(num_tiles, device=device)
+    partial = torch.where(
+        offsets < left[:, None], first_tile[:, None] + offsets, right_start[:, None] + offsets - left[:, None]
+    )
+    full = first_full[:, None] + offsets
+    as_blocks = lambda tensor: tensor.clamp(max=num_tiles - 1).to(torch.int32)[None, None]  # noqa: E731
     mask = BlockMask.from_kv_blocks(
-        (last_tile - first_tile + 1).to(torch.int32)[None, None],
-        tiles.to(torch.int32)[None, None],
+        num_partial.to(torch.int32)[None, None],
+        as_blocks(partial),
+        num_full.to(torch.int32)[None, None],
+        as_blocks(full),
         BLOCK_SIZE=BLOCK_SIZE,
         mask_mod=visible,
         seq_lengths=(num_tokens, num_entries),

@@ -33,13 +33,14 @@ def test_flex_prefill_gives_the_reference_tokens(arch, draft, monkeypatch):
     assert calls, "no step went through FlexAttention"
 
 
-@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("window", [None, 100, 300])
 def test_block_mask_tiles_cover_every_visible_entry_and_skip_others(window):
     """The KV tiles listed per query tile (built from the packing, not by evaluating the mask densely) include
-    every tile holding an entry some query of the tile sees (a missing tile would be silently skipped on the
-    GPU, while the CPU path evaluates the mask densely), and skip most of the others; the mask is built once
-    per step: the next layer's call with the same metadata gets the same object."""
-    q_lens, kv_lens = torch.tensor([300, 5, 200, 500]), torch.tensor([300, 900, 450, 500])
+    every tile holding an entry some query of the tile sees, and skip most others; the tiles listed as full
+    (no mask evaluation on the GPU) hold only entries every query of the tile sees. A wrong list would be
+    silently wrong on the GPU only (the CPU path evaluates the mask densely), so this checks it tile by tile.
+    The mask is built once per step: the next layer's call with the same metadata gets the same object."""
+    q_lens, kv_lens = torch.tensor([300, 5, 200, 500, 700]), torch.tensor([300, 900, 450, 500, 1000])
     cu_seqlens_q = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
     kv_indptr = torch.nn.functional.pad(kv_lens.cumsum(0), (1, 0))
     num_tokens, num_entries = int(q_lens.sum()), int(kv_lens.sum())
@@ -47,14 +48,27 @@ def test_block_mask_tiles_cover_every_visible_entry_and_skip_others(window):
     assert flex._block_mask(cu_seqlens_q, kv_indptr, window, num_tokens, num_entries) is mask
     q_index, kv_index = torch.arange(num_tokens)[:, None], torch.arange(num_entries)[None, :]
     dense = mask.mask_mod(0, 0, q_index, kv_index)  # [tokens, entries]
-    tiles = -(-num_tokens // flex.BLOCK_SIZE), -(-num_entries // flex.BLOCK_SIZE)
-    padded = torch.zeros(tiles[0] * flex.BLOCK_SIZE, tiles[1] * flex.BLOCK_SIZE, dtype=torch.bool)
-    padded[:num_tokens, :num_entries] = dense
-    needed = padded.view(tiles[0], flex.BLOCK_SIZE, tiles[1], flex.BLOCK_SIZE).any(dim=3).any(dim=1)
-    listed = torch.zeros(tiles, dtype=torch.bool)
-    for q_tile in range(tiles[0]):
-        count = int(mask.kv_num_blocks[0, 0, q_tile])
-        listed[q_tile, mask.kv_indices[0, 0, q_tile, :count].long()] = True
-    assert bool((listed | ~needed).all()), "a tile with visible entries is not listed"
-    assert int(listed.sum()) <= int(needed.sum()) + tiles[0], "tiles listed far beyond the visible ones"
-    assert int(listed.sum()) < tiles[0] * tiles[1] // 2
+    size = flex.BLOCK_SIZE
+    tiles = -(-num_tokens // size), -(-num_entries // size)
+    some, every = (torch.full((tiles[0] * size, tiles[1] * size), fill) for fill in (False, True))
+    some[:num_tokens, :num_entries] = dense
+    every[:num_tokens, :num_entries] = dense
+    every[:num_tokens, num_entries:] = False  # a full tile must not reach past the entries
+    needed = some.view(tiles[0], size, tiles[1], size).any(dim=3).any(dim=1)
+    all_seen = every.view(tiles[0], size, tiles[1], size).all(dim=3).all(dim=1)
+
+    def listed(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        chosen = torch.zeros(tiles, dtype=torch.bool)
+        for q_tile in range(tiles[0]):
+            count = int(counts[0, 0, q_tile])
+            assert len(set(indices[0, 0, q_tile, :count].tolist())) == count, "a tile listed twice"
+            chosen[q_tile, indices[0, 0, q_tile, :count].long()] = True
+        return chosen
+
+    partial = listed(mask.kv_num_blocks, mask.kv_indices)
+    full = listed(mask.full_kv_num_blocks, mask.full_kv_indices)
+    assert not (partial & full).any(), "a tile listed as both partial and full"
+    assert bool((full <= all_seen).all()), "a tile listed as full holds an entry some query must not see"
+    assert bool((partial | full | ~needed).all()), "a tile with visible entries is not listed"
+    assert int((partial | full).sum()) <= int(needed.sum()) + tiles[0], "tiles listed far beyond the visible ones"
+    assert int(full.sum()) >= int(all_seen.sum()) // 2, "most all-visible tiles should be listed as full"
