@@ -98,8 +98,8 @@ class PillarPolicy(DraftPolicy):
         picks = scores.topk(max(counts), dim=-1).indices.permute(2, 0, 1, 3)  # [J, layers, Hkv, max count]
         picks = torch.where(ranks < count[:, :, None, None], picks + sink[:, :, None, None], -1)
         patterns = _expand_successors(picks, span, old[:, :, None, None])  # -1 padding sorts first
-        for j, request in enumerate(requests):
-            self._store(request, patterns[j, ..., patterns.shape[-1] - counts[j] * span :], sinks[j])
+        for request, pattern, count, sink in zip(requests, patterns.unbind(0), counts, sinks, strict=True):
+            self._store(request, pattern[..., pattern.shape[-1] - count * span :], sink)
 
     @staticmethod
     def _store(request: Request, pattern: torch.Tensor, sinks: int) -> None:
