@@ -48,7 +48,7 @@ class PillarPolicy(DraftPolicy):
     ) -> None:
         """Every request's pattern from one Top-K over the step's verifies (padded to the longest candidate
         run), so the device work per step does not grow with the number of verifies."""
-        covered, picked = [], []  # (request, older); (request, first entry, sinks, older, picks)
+        covered, picked = [], []  # (request, older); (request, first entry, sinks, older, picks to make)
         for request, (start, end), first_query in zip(requests, spans, first_query_positions, strict=True):
             # Positions before the verify's queries and the recent window compete for the rest of the budget.
             # The window takes at most half the budget (small budgets keep room for Top-K picks) and shrinks
@@ -98,8 +98,8 @@ class PillarPolicy(DraftPolicy):
         picks = scores.topk(max(counts), dim=-1).indices.permute(2, 0, 1, 3)  # [J, layers, Hkv, max count]
         picks = torch.where(ranks < count[:, :, None, None], picks + sink[:, :, None, None], -1)
         patterns = _expand_successors(picks, span, old[:, :, None, None])  # -1 padding sorts first
-        for request, pattern, count, sink in zip(requests, patterns.unbind(0), counts, sinks, strict=True):
-            self._store(request, pattern[..., pattern.shape[-1] - count * span :], sink)
+        for request, pattern, num_picks, num_sinks in zip(requests, patterns.unbind(0), counts, sinks, strict=True):
+            self._store(request, pattern[..., pattern.shape[-1] - num_picks * span :], num_sinks)
 
     @staticmethod
     def _store(request: Request, pattern: torch.Tensor, sinks: int) -> None:
