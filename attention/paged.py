@@ -133,22 +133,21 @@ def _attend_tile(
 
 
 @triton.jit
-def _attention_kernel(
+def _attend_work(
+    work,
+    first_request,
     Q,
     K,
     V,
     Out,
     Lse,
     cu_seqlens_q,
-    indptr_first,
-    indices_first,
-    indptr_second,
-    indices_second,
-    num_first,
-    stride_idx_first,
-    stride_idx_second,
-    splits_first,
-    splits_second,
+    indptr,
+    indices,
+    stride_idx,
+    num_kv_heads,
+    num_tiles,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -163,47 +162,112 @@ def _attention_kernel(
     stride_ls,
     scale_log2,
     window,
-    num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Work item ``work`` of one list set, numbered with the KV head fastest (a slot's heads are adjacent
+    in the pool), then the split, the row tile and the request."""
+    kv_head = work % num_kv_heads
+    rest = work // num_kv_heads
+    split = rest % num_splits
+    rest = rest // num_splits
+    tile = rest % num_tiles
+    request = rest // num_tiles
+    q_start = tl.load(cu_seqlens_q + first_request + request)
+    q_len = tl.load(cu_seqlens_q + first_request + request + 1) - q_start
+    if tile * BLOCK_M < q_len * GROUP:
+        kv_start = tl.load(indptr + request)
+        kv_len = tl.load(indptr + request + 1) - kv_start
+        _attend_tile(
+            Q, K, V, Out, Lse, indices + kv_head * stride_idx + kv_start, q_start, q_len, kv_len, tile, kv_head,
+            split, num_splits, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot,
+            stride_oh, stride_os, stride_lt, stride_lh, stride_ls, scale_log2, window, GROUP, HEAD_DIM, BLOCK_D,
+            BLOCK_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+
+
+@triton.jit
+def _attention_kernel(
+    Q,
+    K,
+    V,
+    cu_seqlens_q,
+    num_first,
+    programs_second,
+    num_kv_heads,
+    indptr_second,
+    indices_second,
+    stride_idx_second,
+    Out_second,
+    Lse_second,
+    stride_ot_second,
+    stride_oh_second,
+    stride_os_second,
+    stride_lt_second,
+    stride_lh_second,
+    stride_ls_second,
+    tiles_second,
+    splits_second,
+    indptr_first,
+    indices_first,
+    stride_idx_first,
+    Out_first,
+    Lse_first,
+    stride_ot_first,
+    stride_oh_first,
+    stride_os_first,
+    stride_lt_first,
+    stride_lh_first,
+    stride_ls_first,
+    tiles_first,
+    splits_first,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    scale_log2,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M_FIRST: tl.constexpr,
     BLOCK_M_SECOND: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
+    HAS_SECOND: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One (request, row tile, KV head, split slot). Each list set has its own row tile (e.g. 16 rows for
-    one-token drafts, 32 for a 9-token verify) and split count, so short sparse lists and long full lists
-    in one launch each get work of a similar size; split slots beyond a request's own count write empty
-    partials (LSE -inf) that the merge ignores."""
-    b = tl.program_id(0)
-    tile = tl.program_id(1)
-    head_split = tl.program_id(2)
-    kv_head = head_split // num_splits
-    split = head_split % num_splits
-    q_start = tl.load(cu_seqlens_q + b)
-    q_len = tl.load(cu_seqlens_q + b + 1) - q_start
-    if b < num_first:
-        if tile * BLOCK_M_FIRST < q_len * GROUP:
-            kv_start = tl.load(indptr_first + b)
-            kv_len = tl.load(indptr_first + b + 1) - kv_start
-            _attend_tile(
-                Q, K, V, Out, Lse, indices_first + kv_head * stride_idx_first + kv_start, q_start, q_len, kv_len,
-                tile, kv_head, split, splits_first, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs,
-                stride_vh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls, scale_log2, window,
-                GROUP, HEAD_DIM, BLOCK_D, BLOCK_M_FIRST, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+    """A flat grid of work items: the second list set's first (shared full lists: the long verify, decode
+    and prefill work), then the first set's (short sparse drafts), so the GPU starts the longest programs
+    first and the short ones fill in behind them. Each set has its own row tile and split count, and writes
+    where its host side says: straight to the output when it is not split. A set without requests is compiled
+    out: its code would otherwise count towards the registers and shared memory of every program."""
+    pid = tl.program_id(0)
+    if pid < programs_second:
+        if HAS_SECOND:
+            _attend_work(
+                pid, num_first, Q, K, V, Out_second, Lse_second, cu_seqlens_q, indptr_second, indices_second,
+                stride_idx_second, num_kv_heads, tiles_second, splits_second, stride_qt, stride_qh, stride_ks,
+                stride_kh, stride_vs, stride_vh, stride_ot_second, stride_oh_second, stride_os_second,
+                stride_lt_second, stride_lh_second, stride_ls_second, scale_log2, window, GROUP, HEAD_DIM, BLOCK_D,
+                BLOCK_M_SECOND, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
             )  # fmt: skip
-    else:
-        if tile * BLOCK_M_SECOND < q_len * GROUP:
-            kv_start = tl.load(indptr_second + b - num_first)
-            kv_len = tl.load(indptr_second + b - num_first + 1) - kv_start
-            _attend_tile(
-                Q, K, V, Out, Lse, indices_second + kv_head * stride_idx_second + kv_start, q_start, q_len, kv_len,
-                tile, kv_head, split, splits_second, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs,
-                stride_vh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls, scale_log2, window,
-                GROUP, HEAD_DIM, BLOCK_D, BLOCK_M_SECOND, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
-            )  # fmt: skip
+    elif HAS_FIRST:
+        _attend_work(
+            pid - programs_second, 0, Q, K, V, Out_first, Lse_first, cu_seqlens_q, indptr_first, indices_first,
+            stride_idx_first, num_kv_heads, tiles_first, splits_first, stride_qt, stride_qh, stride_ks, stride_kh,
+            stride_vs, stride_vh, stride_ot_first, stride_oh_first, stride_os_first, stride_lt_first,
+            stride_lh_first, stride_ls_first, scale_log2, window, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M_FIRST,
+            BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -212,8 +276,11 @@ def _merge_splits_kernel(
     PartLse,
     Out,
     Lse,
+    cu_seqlens_q,
+    num_first,
+    splits_first,
+    splits_second,
     num_heads,
-    num_splits,
     stride_pt,
     stride_ph,
     stride_ps,
@@ -225,9 +292,13 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """One (token, head): combine the splits' normalised outputs by their LSE weights."""
+    """One (token, head): combine the splits' normalised outputs by their LSE weights. Tokens of a list set
+    that was not split were written straight to the output by the attention kernel."""
     token = tl.program_id(0) // num_heads
     head = tl.program_id(0) % num_heads
+    num_splits = tl.where(token < tl.load(cu_seqlens_q + num_first), splits_first, splits_second)
+    if num_splits == 1:
+        return
     splits = tl.arange(0, BLOCK_S)
     split_valid = splits < num_splits
     lse = tl.load(PartLse + token * stride_lt + head * stride_lh + splits, mask=split_valid, other=float("-inf"))
@@ -352,16 +423,30 @@ LAUNCH_OVERRIDE: LaunchConfig | None = None
 
 
 def _launch_config(head_dim: int, block_m: int) -> LaunchConfig:
-    """Tile and pipeline shape, from a sweep on the H200 (BLOCK_N 64/128 x 4/8 warps x 2/3 stages, bf16,
-    8K context; docs/performance.md): head_dim 64 one-row-tile decodes and drafts read 128 entries per
-    iteration (decode 81% of peak vs 61-67% with 64 at batch 128); multi-token tiles (verify) keep 64 with
-    3 stages; head_dim 128 decodes use 8 warps and 3 stages (74% vs 63%), verifies 4 warps (8 halve them)."""
+    """Tile and pipeline shape, from sweeps on the H200 (bf16; docs/performance.md, kernel sweeps 1 and 2):
+    head_dim 64 one-token tiles (decodes, drafts) read 64 entries per iteration with 2 warps and 3 stages
+    (decode 191 us vs 218 us with 128/4/2 at batch 256 x 4K; drafts 13 vs 16 us); multi-token tiles
+    (verifies, and a launch mixing drafts with verifies, which takes the heavier set's shape) read 128
+    with 4 warps and 3 stages (verify 262 vs 306 us; mixed 165 vs 229 us at 256 x 16K, 847 vs 934 us for
+    head_dim 128); head_dim 128 one-token tiles use 64 entries, 8 warps and 3 stages (74% vs 63%)."""
     if LAUNCH_OVERRIDE is not None:
         return LAUNCH_OVERRIDE
-    single_token_tile = block_m <= 16
-    if head_dim <= 64:
-        return LaunchConfig(128, 4, 2) if single_token_tile else LaunchConfig(64, 4, 3)
-    return LaunchConfig(64, 8, 3) if single_token_tile else LaunchConfig(64, 4, 2)
+    if block_m > 16:
+        return LaunchConfig(128, 4, 3)
+    return LaunchConfig(64, 2, 3) if head_dim <= 64 else LaunchConfig(64, 8, 3)
+
+
+def _fit_shared_memory(launch: LaunchConfig, row_bytes: int, device: torch.device) -> LaunchConfig:
+    """Fewer stages, then fewer entries per iteration, until the K/V pipeline buffers (``num_stages - 1``
+    blocks of K and V rows of ``row_bytes``) take at most 70% of the GPU's shared memory per block (fp32
+    head_dim 128 at 128 entries x 3 stages needs 288 KB of the H200's 227 KB; bf16 needs half)."""
+    if device.type != "cuda":
+        return launch  # Triton's CPU interpreter has no shared memory
+    budget = 0.7 * torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    block_n, stages = launch.block_n, launch.num_stages
+    while max(1, stages - 1) * block_n * row_bytes * 2 > budget and (stages > 2 or block_n > 16):
+        stages, block_n = (stages - 1, block_n) if stages > 2 else (stages, block_n // 2)
+    return LaunchConfig(block_n, launch.num_warps, stages)
 
 
 def _as_rows(indices: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -372,6 +457,25 @@ def _as_rows(indices: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _max_len(cu: torch.Tensor) -> int:
     """Longest range of an indptr/cu_seqlens tensor (a device sync: hints avoid it)."""
     return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+@dataclass(frozen=True)
+class _ListSet:
+    """One list set of a launch (its requests, lists and launch shape) and where its programs write."""
+
+    num_requests: int
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    block_m: int
+    tiles: int
+    splits: int
+    out: torch.Tensor  # [tokens, heads, splits, head_dim]: the output itself (a view) when not split
+    lse: torch.Tensor  # [tokens, heads, splits]
+
+    def args(self) -> list:
+        indices, stride = _as_rows(self.indices)
+        out, lse = self.out, self.lse
+        return [self.indptr, indices, stride, out, lse, *out.stride()[:3], *lse.stride(), self.tiles, self.splits]
 
 
 def paged_attention(
@@ -387,14 +491,14 @@ def paged_attention(
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     first_lists: FirstLists | None = None,
-    num_splits: int | None = None,
+    num_splits: int | tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`attention.reference.paged_attention` (same arguments and results).
 
     ``max_q_len``/``max_kv_len`` bound the query and list lengths of the requests that read
     ``kv_indptr``/``kv_indices`` (read from the tensors when omitted, at the cost of a device sync);
     ``first_lists`` gives the first requests their own lists (one launch for drafts and verifies);
-    ``num_splits`` forces the KV split count (tests).
+    ``num_splits`` forces the KV split count, of both list sets or ``(first, second)`` (tests).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
@@ -407,63 +511,69 @@ def paged_attention(
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=query.device)
     if num_tokens == 0 or num_requests == 0:
         return out, lse
-    num_first, num_second = first.num_requests, num_requests - first.num_requests
-    first_q = first.max_q_len if first.max_q_len is not None else _max_len(cu_seqlens_q[: num_first + 1])
-    first_kv = first.max_kv_len if first.max_kv_len is not None else _max_len(first.kv_indptr)
-    second_q = max_q_len if max_q_len is not None else _max_len(cu_seqlens_q[num_first:])
-    second_kv = max_kv_len if max_kv_len is not None else _max_len(kv_indptr)
-    block_m = [_block_m(first_q * group), _block_m(second_q * group)]
-    tiles = [triton.cdiv(first_q * group, block_m[0]), triton.cdiv(second_q * group, block_m[1])]
+    num_first = first.num_requests
+    requests = [num_first, num_requests - num_first]
+    q_lens = [
+        first.max_q_len if first.max_q_len is not None else _max_len(cu_seqlens_q[: num_first + 1]),
+        max_q_len if max_q_len is not None else _max_len(cu_seqlens_q[num_first:]),
+    ]
+    kv_lens = [
+        first.max_kv_len if first.max_kv_len is not None else _max_len(first.kv_indptr),
+        max_kv_len if max_kv_len is not None else _max_len(kv_indptr),
+    ]
+    block_m = [_block_m(q_len * group) for q_len in q_lens]
+    tiles = [triton.cdiv(q_len * group, m) for q_len, m in zip(q_lens, block_m, strict=True)]
     if num_splits is None:
-        splits = _split_counts(num_kv_heads, [(num_first, tiles[0], first_kv), (num_second, tiles[1], second_kv)])
+        splits = _split_counts(num_kv_heads, list(zip(requests, tiles, kv_lens, strict=True)))
     else:
-        splits = [num_splits, num_splits]
+        splits = list(num_splits) if isinstance(num_splits, tuple) else [num_splits, num_splits]
     max_splits = max(splits)
-    launch = _launch_config(head_dim, max(block_m[i] for i in range(2) if tiles[i]))
-    if max_splits == 1:
-        part_out, part_lse = out[:, :, None], lse[:, :, None]
-    else:
+    if max_splits > 1:
         part_out = torch.empty(num_tokens, num_heads, max_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_tokens, num_heads, max_splits, dtype=torch.float32, device=query.device)
-    first_indices, stride_first = _as_rows(first.kv_indices)
-    second_indices, stride_second = _as_rows(kv_indices)
-    _attention_kernel[(num_requests, max(tiles), num_kv_heads * max_splits)](
+    direct = (out[:, :, None], lse[:, :, None])
+    sets = [
+        _ListSet(
+            requests[i],
+            *((first.kv_indptr, first.kv_indices) if i == 0 else (kv_indptr, kv_indices)),
+            block_m[i],
+            tiles[i],
+            splits[i],
+            *((part_out, part_lse) if splits[i] > 1 else direct),
+        )
+        for i in range(2)
+    ]
+    programs = [s.num_requests * s.tiles * num_kv_heads * s.splits for s in sets]
+    heaviest = max(range(2), key=lambda i: requests[i] * tiles[i] * kv_lens[i])
+    launch = _fit_shared_memory(  # one pipeline for both sets: the heavier one's
+        _launch_config(head_dim, block_m[heaviest]), _block_d(head_dim) * k_cache.element_size(), query.device
+    )
+    _attention_kernel[(sum(programs),)](
         query,
         k_cache,
         v_cache,
-        part_out,
-        part_lse,
         cu_seqlens_q,
-        first.kv_indptr,
-        first_indices,
-        kv_indptr,
-        second_indices,
         num_first,
-        stride_first,
-        stride_second,
-        splits[0],
-        splits[1],
+        programs[1],
+        num_kv_heads,
+        *sets[1].args(),
+        *sets[0].args(),
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        part_lse.stride(2),
         scale * LOG2E,
         sliding_window or 0,
-        max_splits,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         BLOCK_M_FIRST=block_m[0],
         BLOCK_M_SECOND=block_m[1],
         BLOCK_N=launch.block_n,
+        HAS_FIRST=programs[0] > 0,
+        HAS_SECOND=programs[1] > 0,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=launch.num_warps,
@@ -475,8 +585,11 @@ def paged_attention(
             part_lse,
             out,
             lse,
+            cu_seqlens_q,
+            num_first,
+            splits[0],
+            splits[1],
             num_heads,
-            max_splits,
             part_out.stride(0),
             part_out.stride(1),
             part_out.stride(2),

@@ -56,7 +56,8 @@ class SpecConfig:
         cuda_graphs: replay the forward of decoding steps (drafts, verifies, plain decodes, any mix) from CUDA
             graphs captured per padded (drafts, verifies) bucket; on a CPU the same padded static path runs
             without capture (same tokens). ``None`` = on with CUDA (measured on the H200: 2.4x for plain
-            decoding, 1.7x with speculation, docs/performance.md), off elsewhere.
+            decoding, 1.7x with speculation, docs/performance.md), off elsewhere and with the reference
+            attention backend (it reads the lists on the host, which a capture cannot hold).
         attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device),
             ``"auto"`` (Triton on CUDA, the reference elsewhere) or ``"flex"`` (``"auto"`` with FlexAttention
             for prefill chunks: a document mask built from the slot lists; measured 6.5x slower than the Triton

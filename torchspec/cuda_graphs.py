@@ -232,14 +232,18 @@ class StepGraphs:
             step.logits = self._run_forward(step)
         step.graph = graph
 
-    def replay_ms(self, repeats: int = 20) -> float:
-        """GPU time of one replay of the latest bucket, replayed back to back with no host work in between:
-        the device time of a step's forward alone (for benchmarks; the replays rewrite the same K/V)."""
+    def replay_latest(self, repeats: int) -> None:
+        """Replay the latest bucket's graph ``repeats`` times back to back, with no host work in between (for
+        benchmarks and profiles; the replays rewrite the same K/V)."""
         assert self._last is not None and self._last.graph is not None, "no captured step replayed yet"
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         for _ in range(repeats):
             self._last.graph.replay()
+
+    def replay_ms(self, repeats: int = 20) -> float:
+        """GPU time of one replay of the latest bucket: the device time of a step's forward alone."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.replay_latest(repeats)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / repeats

@@ -20,6 +20,19 @@ from torchspec.stats import GenerationStats, accepted_histogram
 StepCallback = Callable[[StepPlan, list[Request]], None]
 
 
+def use_cuda_graphs(setting: bool | None, device: torch.device, ops: object) -> bool:
+    """Whether the runner captures CUDA graphs: ``None`` = on with CUDA unless the attention backend is the
+    reference, whose loops read the slot lists on the host (a sync that a capture forbids). On a CPU,
+    ``True`` runs the same padded static path without capture, whatever the backend."""
+    capturable = ops is not attention.reference
+    if setting and device.type == "cuda" and not capturable:
+        raise ValueError(
+            "cuda_graphs=True cannot capture attention_backend='reference' (it reads the slot lists on the host); "
+            "use attention_backend='auto', 'triton' or 'flex', or cuda_graphs=False"
+        )
+    return device.type == "cuda" and capturable if setting is None else setting
+
+
 class Engine:
     """Owns the KV pool and runs batches of requests to completion with continuous batching."""
 
@@ -52,7 +65,7 @@ class Engine:
             self.policy,
             generator,
             compile_model=bool(config.compile),
-            cuda_graphs=self.device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs,
+            cuda_graphs=use_cuda_graphs(config.cuda_graphs, self.device, ops),
             max_batch_size=config.max_batch_size,
         )
         self.num_draft_slots = self.runner.num_draft_slots

@@ -34,7 +34,10 @@ def _on_kernel_device(function):
         def move(x):
             return x.to(KERNEL_DEVICE) if isinstance(x, torch.Tensor) else x
 
-        kwargs = {k: type(v)(*map(move, v)) if isinstance(v, tuple) else move(v) for k, v in kwargs.items()}
+        def move_tuple(v: tuple) -> tuple:  # a NamedTuple such as FirstLists keeps its type
+            return type(v)(*map(move, v)) if hasattr(v, "_fields") else tuple(map(move, v))
+
+        kwargs = {k: move_tuple(v) if isinstance(v, tuple) else move(v) for k, v in kwargs.items()}
         result = function(*(move(a) for a in args), **kwargs)
         return tuple(r.cpu() for r in result) if isinstance(result, tuple) else result.cpu()
 
@@ -376,27 +379,46 @@ def test_split_kv_matches_one_pass(num_splits, window):
     _check(batch.run(IMPLEMENTATIONS["triton"][0], *batch.shared_lists(), window, num_splits=num_splits), expected)
 
 
-def test_fused_draft_and_full_lists_match_separate_calls(impl):
-    """``first_lists``: draft requests (first, per-head lists) and verify/decode requests (shared lists) in one
-    call give what each group gives on its own: the fused launch changes nothing but the launch count."""
+def _fused_batch() -> tuple[_Batch, torch.Tensor, torch.Tensor, FirstLists, tuple, tuple]:
+    """Two draft requests (per-head lists) before a verify and a decode (shared lists), and each group's own
+    expectation: ``(batch, full_indptr, full_indices, first_lists, expected_drafts, expected_full)``."""
     g = torch.Generator().manual_seed(40)
-    batch = _Batch([(1, 40), (1, 17), (9, 50), (1, 33)], 6, 2, 64, seed=40)
+    batch = _Batch([(1, 40), (1, 17), (9, 300), (1, 200)], 6, 2, 64, seed=40)
     drafts = copy.copy(batch)  # the first two requests only, same pool
     for name in ("lens", "keys", "values", "queries", "slots"):
         setattr(drafts, name, getattr(batch, name)[:2])
     keep = _random_subsets(drafts, [[9, 4], [3, 12]], g)
     draft_indptr, draft_indices = _per_head_lists(drafts, keep, [2, 0], g)
-    full_indptr = torch.tensor([0, 50, 83])
+    full_indptr = torch.tensor([0, 300, 500])
     full_indices = torch.cat(batch.slots[2:])
-    out, lse = batch.run(impl, full_indptr, full_indices, first_lists=FirstLists(2, draft_indptr, draft_indices))
+    full_out, full_lse = batch.expected_shared()
+    first = FirstLists(2, draft_indptr, draft_indices)
+    return batch, full_indptr, full_indices, first, _expected_per_head(drafts, keep), (full_out[2:], full_lse[2:])
+
+
+def test_fused_draft_and_full_lists_match_separate_calls(impl):
+    """``first_lists``: draft requests (first, per-head lists) and verify/decode requests (shared lists) in one
+    call give what each group gives on its own: the fused launch changes nothing but the launch count."""
+    batch, full_indptr, full_indices, first, expected_drafts, expected_full = _fused_batch()
+    out, lse = batch.run(impl, full_indptr, full_indices, first_lists=first)
     draft_part = reference.paged_attention(
-        batch.query[:2], batch.k_cache, batch.v_cache, batch.cu_seqlens_q[:3], draft_indptr, draft_indices, batch.scale
-    )
-    expected_drafts = _expected_per_head(drafts, keep)
+        batch.query[:2], batch.k_cache, batch.v_cache, batch.cu_seqlens_q[:3], first.kv_indptr, first.kv_indices,
+        batch.scale,
+    )  # fmt: skip
     _check(draft_part, expected_drafts)  # the draft requests' own expectation, independent of first_lists
-    full_expected = batch.expected_shared()
     _check((out[:2], lse[:2]), expected_drafts)
-    _check((out[2:], lse[2:]), (full_expected[0][2:], full_expected[1][2:]))
+    _check((out[2:], lse[2:]), expected_full)
+
+
+@pytest.mark.parametrize("num_splits", [(1, 3), (2, 1), (3, 5)])
+def test_fused_list_sets_split_on_their_own(num_splits):
+    """Each list set of a fused launch has its own split count: a set that is not split writes the output
+    directly and the merge combines only the other set's splits (some of them empty)."""
+    batch, full_indptr, full_indices, first, expected_drafts, expected_full = _fused_batch()
+    kernel = IMPLEMENTATIONS["triton"][0]
+    out, lse = batch.run(kernel, full_indptr, full_indices, first_lists=first, num_splits=num_splits)
+    _check((out[:2], lse[:2]), expected_drafts)
+    _check((out[2:], lse[2:]), expected_full)
 
 
 @pytest.mark.parametrize("gqa_ratio", [1, 3, 4, 8])

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attention
 from tests.torchspec.conftest import Batch, tiny_spec
 from torchspec import sparsespec
 from torchspec.cuda_graphs import bucket_sizes
+from torchspec.engine import use_cuda_graphs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -24,6 +26,19 @@ def test_bucket_sizes_cover_every_batch_once():
     for maximum in (1, 5, 33, 100):
         sizes = bucket_sizes(maximum)
         assert sizes == sorted(set(sizes)) and sizes[-1] == maximum
+
+
+def test_default_captures_on_cuda_only_with_a_capturable_backend():
+    """``cuda_graphs=None`` captures on CUDA unless the backend is the reference (its host reads cannot be
+    captured: asking for it explicitly is an error that names the fix); on a CPU every setting stays as given."""
+    cuda, cpu, kernels = torch.device("cuda"), torch.device("cpu"), object()
+    assert use_cuda_graphs(None, cuda, kernels) is True
+    assert use_cuda_graphs(None, cuda, attention.reference) is False
+    assert use_cuda_graphs(False, cuda, kernels) is False
+    assert use_cuda_graphs(None, cpu, kernels) is False
+    assert use_cuda_graphs(True, cpu, attention.reference) is True
+    with pytest.raises(ValueError, match="attention_backend='auto'"):
+        use_cuda_graphs(True, cuda, attention.reference)
 
 
 @pytest.mark.parametrize("draft", [None, "pillar_recent", "streaming"])

@@ -26,6 +26,7 @@ from torchspec.bench.records import (
     engine_options,
     environment,
 )
+from torchspec.cuda_graphs import StepGraphs
 from torchspec.kv_cache import bytes_per_token
 from torchspec.models import load_model
 from torchspec.request import SamplingParams
@@ -34,8 +35,11 @@ from torchspec.scheduler import Phase
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
 
 
-def measure(model: torch.nn.Module, batch: int, context: int, steps: int, seed: int = 0, **options) -> dict:
-    """Time ``steps`` decode steps of ``batch`` requests whose contexts start at ``context`` tokens.
+def measure(
+    model: torch.nn.Module, batch: int, context: int, steps: int, seed: int = 0, profile: str | None = None, **options
+) -> dict:
+    """Time ``steps`` decode steps of ``batch`` requests whose contexts start at ``context`` tokens (and write a
+    per-kernel profile of the step's graph to ``profile``).
 
     Prefill chunks hold up to 64K tokens, so every request is decoding after a few steps (requests prefilled
     first decode a few tokens meanwhile); only steps in which all ``batch`` requests decode are timed."""
@@ -75,6 +79,9 @@ def measure(model: torch.nn.Module, batch: int, context: int, steps: int, seed: 
     step_s = statistics.median(t[0] for t in timings)
     graphs = engine.runner.graphs
     replay_ms = graphs.replay_ms() if graphs is not None and graphs.capture else None
+    if profile and replay_ms is not None:
+        with open(profile, "w") as f:
+            f.write(profile_replay(graphs) + "\n")
     return {
         "batch": batch,
         "context": context,
@@ -94,6 +101,49 @@ def measure(model: torch.nn.Module, batch: int, context: int, steps: int, seed: 
     }
 
 
+KERNEL_KINDS = {  # substrings of kernel names -> what the kernel does (first match wins)
+    "_attention_kernel": "attention",
+    "_merge_splits": "attention split merge",
+    "store_kv": "K/V store",
+    "index_put": "K/V store",
+    "gemm": "matmul",
+    "nvjet": "matmul",
+    "cutlass": "matmul",
+    "triton_": "fused elementwise (compiled)",
+}
+
+
+def _kernel_kind(name: str) -> str:
+    return next((kind for key, kind in KERNEL_KINDS.items() if key in name), "other elementwise / reduction")
+
+
+def profile_replay(graphs: StepGraphs, repeats: int = 10) -> str:
+    """torch.profiler over ``repeats`` back-to-back replays of the step's graph: GPU time per kernel kind and
+    the kernels that take the most, per replay (where the gap to the roofline goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs.replay_latest(2)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graphs.replay_latest(repeats)
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.device_time_total / repeats / 1e3, e.count / repeats) for e in prof.key_averages()]
+    kernels = sorted((k for k in kernels if k[1] > 0), key=lambda k: -k[1])
+    kinds: dict[str, list[float]] = {}
+    for name, ms, count in kernels:
+        sums = kinds.setdefault(_kernel_kind(name), [0.0, 0.0])
+        sums[0] += ms
+        sums[1] += count
+    by_kind = sorted(((kind, ms, count) for kind, (ms, count) in kinds.items()), key=lambda k: -k[1])
+    total = f"GPU time per replay: {sum(k[1] for k in kernels):.3f} ms"
+    return "\n\n".join([total, _table("kind", by_kind), _table("kernel", kernels[:25])])
+
+
+def _table(label: str, rows: list[tuple[str, float, float]]) -> str:
+    lines = [f"| {label} | ms | launches |", "|---|---|---|"]
+    return "\n".join(lines + [f"| {name[:90]} | {ms:.3f} | {count:.0f} |" for name, ms, count in rows])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
@@ -102,9 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     add_model_arguments(parser)
     add_engine_arguments(parser)
     parser.add_argument("--out", help="append one JSON line")
+    parser.add_argument("--profile", metavar="PATH", help="write a per-kernel profile of the step's graph (graphs)")
     args = parser.parse_args(argv)
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
-    record = measure(model, args.batch, args.context, args.steps, **engine_options(args))
+    record = measure(model, args.batch, args.context, args.steps, profile=args.profile, **engine_options(args))
     print(
         f"batch {args.batch} x context {args.context}: {record['step_ms']:.2f} ms per decode step "
         f"(host {record['host_ms']:.2f} ms), roofline {record['roofline_ms']:.2f} ms "

@@ -194,10 +194,10 @@ def _dense_baselines(case: Case) -> dict[str, tuple[Callable[[], object], int]]:
     }
 
 
-SWEEP = [(block_n, warps, stages) for block_n in (64, 128) for warps in (4, 8) for stages in (2, 3)]
+SWEEP = [(block_n, warps, stages) for block_n in (64, 128) for warps in (2, 4, 8) for stages in (2, 3)]
 
 
-def sweep(case: Case) -> list[dict]:
+def sweep(case: Case, cases: list[str] | None = None) -> list[dict]:
     """Our cases under every launch configuration of ``SWEEP`` (the kernel's own choice is bypassed)."""
     from attention import paged
 
@@ -205,24 +205,30 @@ def sweep(case: Case) -> list[dict]:
     try:
         for block_n, warps, stages in SWEEP:
             paged.LAUNCH_OVERRIDE = paged.LaunchConfig(block_n, warps, stages)
-            for record in measure(case, baselines=False):
+            for record in measure(case, baselines=False, cases=cases):
                 records.append({**record, "block_n": block_n, "num_warps": warps, "num_stages": stages})
     finally:
         paged.LAUNCH_OVERRIDE = None
     return records
 
 
-def measure(case: Case, baselines: bool = True) -> list[dict]:
-    """Every case of one point, as result records (with FlexAttention and SDPA unless ``baselines=False``)."""
-    runs: dict[str, tuple[Callable[[], object], int]] = {
-        "decode": _ours(case, 1, per_head=False),
-        "verify": _ours(case, K + 1, per_head=False),
-        "draft": _ours(case, 1, per_head=True),
-        "mass": _mass(case),
-        "mixed_fused": _mixed(case, fused=True),
-        "mixed_two_launches": _mixed(case, fused=False),
-    }
-    records = [_record(case, name, fn, nbytes) for name, (fn, nbytes) in runs.items()]
+OUR_CASES: dict[str, Callable[[Case], tuple[Callable[[], object], int]]] = {
+    "decode": lambda case: _ours(case, 1, per_head=False),
+    "verify": lambda case: _ours(case, K + 1, per_head=False),
+    "draft": lambda case: _ours(case, 1, per_head=True),
+    "mass": _mass,
+    "mixed_fused": lambda case: _mixed(case, fused=True),
+    "mixed_two_launches": lambda case: _mixed(case, fused=False),
+}
+
+
+def measure(case: Case, baselines: bool = True, cases: list[str] | None = None) -> list[dict]:
+    """The ``cases`` (default: all of ours) of one point, as result records, with FlexAttention and SDPA
+    unless ``baselines=False``."""
+    records = []
+    for name in cases or list(OUR_CASES):
+        fn, nbytes = OUR_CASES[name](case)
+        records.append(_record(case, name, fn, nbytes))
     if not baselines:
         return records
     try:
@@ -284,6 +290,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="kernels.jsonl", help="JSON lines, appended after every point")
     parser.add_argument("--report", metavar="JSONL", help="print the markdown table of a finished run and exit")
     parser.add_argument("--sweep", action="store_true", help="measure every launch configuration (no baselines)")
+    parser.add_argument("--cases", nargs="+", choices=list(OUR_CASES), help="only these of our cases")
+    parser.add_argument(
+        "--baselines", action=argparse.BooleanOptionalAction, default=True, help="FlexAttention and SDPA decoding"
+    )
     args = parser.parse_args(argv)
     if args.report:
         with open(args.report) as f:
@@ -297,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     for shape, batch, context in tqdm(points, desc="kernel benchmark"):
         case = Case(SHAPES[shape], batch, context)
-        new = sweep(case) if args.sweep else measure(case)
+        new = sweep(case, args.cases) if args.sweep else measure(case, args.baselines, args.cases)
         del case
         torch.cuda.empty_cache()
         records.extend(new)
