@@ -50,9 +50,9 @@ class SpecConfig:
         delayed_verify: let verify requests sit out one step so host bookkeeping overlaps the GPU.
         unified_schedule: mix draft and verify requests in every step (phase buckets).
         compile: ``torch.compile`` the model forward (attention stays one opaque custom op per layer);
-            ``None`` = off: with graphs it cuts a SmolLM2 decode step from 16.0 to 11.4 ms (256 x 4K on the
-            H200), but compiling costs the first steps tens of seconds (a 512-token run was slower with it):
-            opt-in until a long run measures the net gain.
+            ``None`` = off: with graphs it cuts a SmolLM2 decode step from 12.6 to 9.8 ms (256 x 4K on the
+            H200; its GPU time from 8.9 to 7.1 ms), but compiling costs the first steps tens of seconds (a
+            512-token run was slower with it): opt-in until a long run measures the net gain.
         cuda_graphs: replay the forward of decoding steps (drafts, verifies, plain decodes, any mix) from CUDA
             graphs captured per padded (drafts, verifies) bucket; on a CPU the same padded static path runs
             without capture (same tokens). ``None`` = on with CUDA (measured on the H200: 2.4x for plain
@@ -60,7 +60,7 @@ class SpecConfig:
             attention backend (it reads the lists on the host, which a capture cannot hold).
         attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device),
             ``"auto"`` (Triton on CUDA, the reference elsewhere) or ``"flex"`` (``"auto"`` with FlexAttention
-            for prefill chunks: a document mask built from the slot lists; measured 6.5x slower than the Triton
+            for prefill chunks: a document mask built from the slot lists; measured 6.5-7.4x slower than the Triton
             kernel's prefill on the H200, docs/performance.md).
     """
 
