@@ -11,6 +11,7 @@ is how draft and verify requests share a launch.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -436,15 +437,19 @@ def _launch_config(head_dim: int, block_m: int) -> LaunchConfig:
     return LaunchConfig(64, 2, 3) if head_dim <= 64 else LaunchConfig(64, 8, 3)
 
 
-def _fit_shared_memory(launch: LaunchConfig, row_bytes: int, device: torch.device) -> LaunchConfig:
+@functools.cache
+def _shared_memory_budget(device_index: int) -> float:
+    """70% of the GPU's shared memory per block: the rest is left to the Q tile, the softmax state and the
+    compiler's own buffers."""
+    return 0.7 * torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def _fit_shared_memory(launch: LaunchConfig, row_bytes: int, budget: float | None) -> LaunchConfig:
     """Fewer stages, then fewer entries per iteration, until the K/V pipeline buffers (``num_stages - 1``
-    blocks of K and V rows of ``row_bytes``) take at most 70% of the GPU's shared memory per block (fp32
-    head_dim 128 at 128 entries x 3 stages needs 288 KB of the H200's 227 KB; bf16 needs half)."""
-    if device.type != "cuda":
-        return launch  # Triton's CPU interpreter has no shared memory
-    budget = 0.7 * torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    blocks of K and V rows of ``row_bytes``) fit ``budget`` bytes (None: no limit, Triton's CPU interpreter).
+    fp32 head_dim 128 at 128 entries x 3 stages needs 288 KB of the H200's 227 KB; bf16 needs half."""
     block_n, stages = launch.block_n, launch.num_stages
-    while max(1, stages - 1) * block_n * row_bytes * 2 > budget and (stages > 2 or block_n > 16):
+    while budget is not None and max(1, stages - 1) * block_n * row_bytes * 2 > budget and (stages > 2 or block_n > 16):
         stages, block_n = (stages - 1, block_n) if stages > 2 else (stages, block_n // 2)
     return LaunchConfig(block_n, launch.num_warps, stages)
 
@@ -461,12 +466,11 @@ def _max_len(cu: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class _ListSet:
-    """One list set of a launch (its requests, lists and launch shape) and where its programs write."""
+    """One list set of a launch (its requests, lists, row tiles and splits) and where its programs write."""
 
     num_requests: int
     indptr: torch.Tensor
     indices: torch.Tensor
-    block_m: int
     tiles: int
     splits: int
     out: torch.Tensor  # [tokens, heads, splits, head_dim]: the output itself (a view) when not split
@@ -536,7 +540,6 @@ def paged_attention(
         _ListSet(
             requests[i],
             *((first.kv_indptr, first.kv_indices) if i == 0 else (kv_indptr, kv_indices)),
-            block_m[i],
             tiles[i],
             splits[i],
             *((part_out, part_lse) if splits[i] > 1 else direct),
@@ -545,8 +548,10 @@ def paged_attention(
     ]
     programs = [s.num_requests * s.tiles * num_kv_heads * s.splits for s in sets]
     heaviest = max(range(2), key=lambda i: requests[i] * tiles[i] * kv_lens[i])
+    device = query.device
+    budget = _shared_memory_budget(device.index or 0) if device.type == "cuda" else None
     launch = _fit_shared_memory(  # one pipeline for both sets: the heavier one's
-        _launch_config(head_dim, block_m[heaviest]), _block_d(head_dim) * k_cache.element_size(), query.device
+        _launch_config(head_dim, block_m[heaviest]), _block_d(head_dim) * k_cache.element_size(), budget
     )
     _attention_kernel[(sum(programs),)](
         query,

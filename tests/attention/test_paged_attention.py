@@ -410,6 +410,17 @@ def test_fused_draft_and_full_lists_match_separate_calls(impl):
     _check((out[2:], lse[2:]), expected_full)
 
 
+def test_fused_launch_of_drafts_only(impl):
+    """A step of drafts only: every request reads the first lists and the shared set is empty (its code is
+    compiled out of the kernel)."""
+    batch, _, _, first, expected_drafts, _ = _fused_batch()
+    out, lse = impl(
+        batch.query[:2], batch.k_cache, batch.v_cache, batch.cu_seqlens_q[:3], torch.zeros(1, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.int64), batch.scale, max_q_len=0, max_kv_len=0, first_lists=first,
+    )  # fmt: skip
+    _check((out, lse), expected_drafts)
+
+
 @pytest.mark.parametrize("num_splits", [(1, 3), (2, 1), (3, 5)])
 def test_fused_list_sets_split_on_their_own(num_splits):
     """Each list set of a fused launch has its own split count: a set that is not split writes the output
@@ -470,6 +481,17 @@ def test_kernel_benchmark_measures_every_case_of_a_small_point(tmp_path):
 def test_split_counts_balance_the_work(groups, expected):
     """Lists are cut into chunks of about equal work, so a few long lists never leave a tail of long programs."""
     assert paged._split_counts(3, groups) == expected
+
+
+def test_launch_shapes_shrink_to_fit_shared_memory():
+    """The pipeline gives up stages, then entries per iteration, until its K/V buffers fit the budget (the H200's
+    ~160 KB: fp32 head_dim 128 at 128 entries x 3 stages would need 256 KB); what fits stays as chosen."""
+    h200 = 0.7 * 232448
+    chosen = paged.LaunchConfig(128, 4, 3)
+    assert paged._fit_shared_memory(chosen, 128 * 4, h200) == paged.LaunchConfig(128, 4, 2)  # fp32, head_dim 128
+    assert paged._fit_shared_memory(chosen, 128 * 2, h200) == chosen  # bf16 fits
+    assert paged._fit_shared_memory(chosen, 128 * 4, 40_000) == paged.LaunchConfig(32, 4, 2)
+    assert paged._fit_shared_memory(chosen, 128 * 4, None) == chosen  # the CPU interpreter: no limit
 
 
 # -- FlexAttention prefill ---------------------------------------------------------------------------------------
