@@ -126,6 +126,8 @@ class Scheduler:
         return StepPlan(scheduled)
 
     def _next_step(self, request: Request) -> ScheduledRequest:
+        if self.policy is None:  # plain decoding: every step is a one-token verify, rounds never start
+            return ScheduledRequest(request, Phase.VERIFY, 1)
         current = request.round
         if current.length is None:
             self._start_round(request)
@@ -181,7 +183,8 @@ class Scheduler:
                 request.num_computed_tokens += 1 + result.num_accepted
                 self.allocator.free(request.slots[request.num_computed_tokens :])
                 del request.slots[request.num_computed_tokens :]
-            request.round = DraftRound(pattern=request.round.pattern, recent_start=request.round.recent_start)
+            if request.round.length is not None:  # a round ran: the next one starts afresh
+                request.round = DraftRound(pattern=request.round.pattern, recent_start=request.round.recent_start)
             if self._append(request, result.tokens):
                 finished.append(request)
         return finished
