@@ -11,14 +11,17 @@ best case: no paging). Times are medians of CUDA-graph replays (no host overhead
     python -m torchspec.bench.kernels --report kernels.jsonl      # markdown table of a finished run
     python -m torchspec.bench.kernels --sweep --batches 32 128 --contexts 8192 --out sweep.jsonl
         # every launch configuration (BLOCK_N x warps x stages) for our cases, records tagged with it
+    python -m torchspec.bench.kernels --no-baselines --cases decode --target-programs 528 1056 2112
+        # the split target (how many work items a launch aims for) per value, records tagged with it
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -282,6 +285,19 @@ def report(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _split_target(target: int | None) -> Iterator[None]:
+    """Run with the kernel's split target (work items a launch aims for) set to ``target`` (None: as is)."""
+    from attention import paged
+
+    saved = paged.TARGET_PROGRAMS
+    paged.TARGET_PROGRAMS = target or saved
+    try:
+        yield
+    finally:
+        paged.TARGET_PROGRAMS = saved
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -293,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", nargs="+", choices=list(OUR_CASES), help="only these of our cases")
     parser.add_argument(
         "--baselines", action=argparse.BooleanOptionalAction, default=True, help="FlexAttention and SDPA decoding"
+    )
+    parser.add_argument(
+        "--target-programs",
+        nargs="+",
+        type=int,
+        help="measure under each of these split targets (the kernel's TARGET_PROGRAMS: work items per launch)",
     )
     args = parser.parse_args(argv)
     if args.report:
@@ -307,13 +329,17 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     for shape, batch, context in tqdm(points, desc="kernel benchmark"):
         case = Case(SHAPES[shape], batch, context)
-        new = sweep(case, args.cases) if args.sweep else measure(case, args.baselines, args.cases)
+        new = []
+        for target in args.target_programs or [None]:
+            with _split_target(target):
+                runs = sweep(case, args.cases) if args.sweep else measure(case, args.baselines, args.cases)
+            new += [{**r, "target_programs": target} if target else r for r in runs]
         del case
         torch.cuda.empty_cache()
         records.extend(new)
         with open(args.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in new)
-    if not args.sweep:
+    if not args.sweep and not args.target_programs:
         print(report(records))
 
 
