@@ -46,9 +46,13 @@ class SpecConfig:
         max_batch_size: most requests decoded together.
         kv_capacity_tokens: KV slots in the pool; ``None`` sizes the pool from free device memory.
         max_step_tokens: most query tokens in one forward step (bounds prefill chunks).
-        offload: offload KV of waiting requests to host memory when the pool is full.
-        delayed_verify: let verify requests sit out one step so host bookkeeping overlaps the GPU.
-        unified_schedule: mix draft and verify requests in every step (phase buckets).
+        offload: offload KV of waiting requests to host memory when the pool is full (not in this release:
+            ``True`` is refused).
+        delayed_verify: let verify requests sit out one step so host bookkeeping overlaps the GPU (not in
+            this release: ``True`` is refused).
+        unified_schedule: drafts and verifies of different requests share every step's batch and attention
+            launch (the only schedule: ``False`` is refused). Balancing requests over k + 1 phase buckets at
+            admission is not implemented yet: requests prefilled in the same step stay in phase.
         compile: ``torch.compile`` the model forward (attention stays one opaque custom op per layer);
             ``None`` = off: with graphs it cuts a SmolLM2 decode step from 12.6 to 9.8 ms (256 x 4K on the
             H200; its GPU time from 8.9 to 7.1 ms), but compiling costs the first steps tens of seconds (a
@@ -118,6 +122,14 @@ class SpecConfig:
         for name in ("compile", "cuda_graphs"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")
         _require(not self.offload, "offload=True is not available in this release; leave it at its default")
+        _require(
+            not self.delayed_verify, "delayed_verify=True is not available in this release; leave it at its default"
+        )
+        _require(
+            self.unified_schedule,
+            "unified_schedule=False is not available in this release (drafts and verifies always share a step); "
+            "leave it at its default",
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> SpecConfig:
