@@ -45,6 +45,27 @@ def test_decode_step_record_times_full_batch_decode_steps():
     assert 3 * 41 * per_token <= record["kv_gb"] * 1e9 <= 3 * 48 * per_token
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="profiles a captured CUDA graph")
+def test_decode_step_profile_attributes_the_replay_to_kernel_kinds(tmp_path):
+    """``--profile``: the replayed step's GPU time per kernel kind, the attention kernel among them (GPU only)."""
+    model = tiny_spec("llama", 2).build().cuda()
+    path = tmp_path / "profile.md"
+    decode_step.measure(model, batch=3, context=40, steps=4, profile=str(path), cuda_graphs=True)
+    text = path.read_text()
+    assert text.startswith("GPU time per replay:") and "| attention | " in text and "| matmul | " in text
+
+
+def test_kernel_kinds_name_the_step_s_kernels():
+    """Kernel names map to what they do (the profile's grouping), with an explicit bucket for the rest."""
+    assert decode_step._kernel_kind("_attention_kernel") == "attention"
+    assert decode_step._kernel_kind("_merge_splits_kernel") == "attention split merge"
+    assert decode_step._kernel_kind("at::native::index_elementwise_kernel<index_copy_kernel_impl>") == "K/V store"
+    assert decode_step._kernel_kind("nvjet_sm90_tst_64x8_64x16_1x4_h_bz_TNT") == "matmul"
+    assert decode_step._kernel_kind("triton_poi_fused__unsafe_view_mul_silu_5") == "fused elementwise (compiled)"
+    assert decode_step._kernel_kind("void at::native::reduce_kernel<512>") == "other elementwise / reduction"
+
+
 def test_host_step_times_decoding_steps_without_a_forward():
     """The host-time benchmark runs full-batch decoding steps with the forward replaced (plain and
     speculative), alternately timed and op-counted, and reports positive medians; speculation really drafted."""

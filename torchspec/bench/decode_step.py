@@ -105,7 +105,7 @@ KERNEL_KINDS = {  # substrings of kernel names -> what the kernel does (first ma
     "_attention_kernel": "attention",
     "_merge_splits": "attention split merge",
     "store_kv": "K/V store",
-    "index_put": "K/V store",
+    "index_copy": "K/V store",
     "gemm": "matmul",
     "nvjet": "matmul",
     "cutlass": "matmul",
