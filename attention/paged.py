@@ -33,19 +33,20 @@ TARGET_PROGRAMS = 528
 
 
 @triton.jit
-def _attend_tile(
+def _attend_work(
+    work,
+    first_request,
     Q,
     K,
     V,
     Out,
     Lse,
-    idx_ptr,
-    q_start,
-    q_len,
-    kv_len,
-    tile,
-    kv_head,
-    split,
+    cu_seqlens_q,
+    indptr,
+    indices,
+    stride_idx,
+    num_kv_heads,
+    num_tiles,
     num_splits,
     stride_qt,
     stride_qh,
@@ -69,8 +70,21 @@ def _attend_tile(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax of one tile of (query token, group head) rows over split ``split`` of ``num_splits`` of
-    the visible list entries; writes the normalised partial output and its LSE (natural log)."""
+    """Work item ``work`` of one list set, numbered with the KV head fastest (a slot's heads are adjacent in the
+    pool), then the split, the row tile and the request: the online softmax of one tile of (query token, group
+    head) rows over split ``split`` of ``num_splits`` of the visible list entries; writes the normalised
+    partial output and its LSE (natural log). A tile past its request's rows reads and writes nothing."""
+    kv_head = work % num_kv_heads
+    rest = work // num_kv_heads
+    split = rest % num_splits
+    rest = rest // num_splits
+    tile = rest % num_tiles
+    request = rest // num_tiles
+    q_start = tl.load(cu_seqlens_q + first_request + request)
+    q_len = tl.load(cu_seqlens_q + first_request + request + 1) - q_start
+    kv_start = tl.load(indptr + request)
+    kv_len = tl.load(indptr + request + 1) - kv_start
+    idx_ptr = indices + kv_head * stride_idx + kv_start
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     token = rows // GROUP
     q_head = kv_head * GROUP + rows % GROUP
@@ -91,6 +105,8 @@ def _attend_tile(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(0, kv_len - q_len + first_token - window + 1)
+    if tile * BLOCK_M >= q_len * GROUP:  # no row of this tile is a query of the request: nothing to read
+        hi = lo
     split_size = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
     split_lo = lo + split * split_size
     split_hi = tl.minimum(hi, split_lo + split_size)
@@ -135,65 +151,6 @@ def _attend_tile(
         mask=row_valid[:, None] & dim_valid[None, :],
     )
     tl.store(Lse + tok * stride_lt + q_head * stride_lh + split * stride_ls, lse, mask=row_valid)
-
-
-@triton.jit
-def _attend_work(
-    work,
-    first_request,
-    Q,
-    K,
-    V,
-    Out,
-    Lse,
-    cu_seqlens_q,
-    indptr,
-    indices,
-    stride_idx,
-    num_kv_heads,
-    num_tiles,
-    num_splits,
-    stride_qt,
-    stride_qh,
-    stride_ks,
-    stride_kh,
-    stride_vs,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_os,
-    stride_lt,
-    stride_lh,
-    stride_ls,
-    scale_log2,
-    window,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Work item ``work`` of one list set, numbered with the KV head fastest (a slot's heads are adjacent
-    in the pool), then the split, the row tile and the request."""
-    kv_head = work % num_kv_heads
-    rest = work // num_kv_heads
-    split = rest % num_splits
-    rest = rest // num_splits
-    tile = rest % num_tiles
-    request = rest // num_tiles
-    q_start = tl.load(cu_seqlens_q + first_request + request)
-    q_len = tl.load(cu_seqlens_q + first_request + request + 1) - q_start
-    if tile * BLOCK_M < q_len * GROUP:
-        kv_start = tl.load(indptr + request)
-        kv_len = tl.load(indptr + request + 1) - kv_start
-        _attend_tile(
-            Q, K, V, Out, Lse, indices + kv_head * stride_idx + kv_start, q_start, q_len, kv_len, tile, kv_head,
-            split, num_splits, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot,
-            stride_oh, stride_os, stride_lt, stride_lh, stride_ls, scale_log2, window, GROUP, HEAD_DIM, BLOCK_D,
-            BLOCK_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
-        )  # fmt: skip
 
 
 @triton.jit
