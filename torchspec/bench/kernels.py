@@ -205,13 +205,10 @@ def sweep(case: Case, cases: list[str] | None = None) -> list[dict]:
     from attention import paged
 
     records = []
-    try:
-        for block_n, warps, stages in SWEEP:
-            paged.LAUNCH_OVERRIDE = paged.LaunchConfig(block_n, warps, stages)
+    for block_n, warps, stages in SWEEP:
+        with _kernel_setting("LAUNCH_OVERRIDE", paged.LaunchConfig(block_n, warps, stages)):
             for record in measure(case, baselines=False, cases=cases):
                 records.append({**record, "block_n": block_n, "num_warps": warps, "num_stages": stages})
-    finally:
-        paged.LAUNCH_OVERRIDE = None
     return records
 
 
@@ -286,16 +283,17 @@ def report(records: list[dict]) -> str:
 
 
 @contextlib.contextmanager
-def _split_target(target: int | None) -> Iterator[None]:
-    """Run with the kernel's split target (work items a launch aims for) set to ``target`` (None: as is)."""
+def _kernel_setting(name: str, value: object) -> Iterator[None]:
+    """Run with the kernel module's setting ``name`` (``LAUNCH_OVERRIDE``, ``TARGET_PROGRAMS``) set to
+    ``value`` (None: as it is), restored afterwards."""
     from attention import paged
 
-    saved = paged.TARGET_PROGRAMS
-    paged.TARGET_PROGRAMS = target or saved
+    saved = getattr(paged, name)
+    setattr(paged, name, saved if value is None else value)
     try:
         yield
     finally:
-        paged.TARGET_PROGRAMS = saved
+        setattr(paged, name, saved)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -331,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
         case = Case(SHAPES[shape], batch, context)
         new = []
         for target in args.target_programs or [None]:
-            with _split_target(target):
+            with _kernel_setting("TARGET_PROGRAMS", target):
                 runs = sweep(case, args.cases) if args.sweep else measure(case, args.baselines, args.cases)
             new += [{**r, "target_programs": target} if target else r for r in runs]
         del case
