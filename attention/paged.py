@@ -33,6 +33,70 @@ TARGET_PROGRAMS = 528
 
 
 @triton.jit
+def _load_rows(base, slots, stride_slot, offset, dims, rows_valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr):  # fmt: skip
+    """Gather one K or V row per slot; masks only what can be out of range (missing slots, padded dims)."""
+    ptrs = base + slots[:, None] * stride_slot + offset + dims[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=rows_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        return tl.load(ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _attend_block(
+    q,
+    m_i,
+    l_i,
+    acc,
+    start,
+    end,
+    idx_ptr,
+    K,
+    V,
+    kv_head,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    last_visible,
+    window,
+    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One block of ``BLOCK_N`` list entries folded into the online softmax (running max in log2 units of the
+    scaled logits). ``MASKED=False`` is for blocks that are whole, visible to every row and free of padding:
+    no masks, and a running max that cannot be -inf after the block."""
+    entries = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    slots = tl.load(idx_ptr + entries, mask=entries < end, other=-1) if MASKED else tl.load(idx_ptr + entries)
+    present = slots >= 0
+    k = _load_rows(K, slots, stride_ks, kv_head * stride_kh, dims, present, HEAD_DIM, BLOCK_D, MASKED)
+    logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        visible = present[None, :] & (entries[None, :] <= last_visible[:, None])
+        if HAS_WINDOW:
+            visible = visible & (entries[None, :] > last_visible[:, None] - window)
+        logits = tl.where(visible, logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1) * scale_log2)
+    m_ref = m_new
+    if MASKED:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: p = alpha = 0
+    p = tl.exp2(logits * scale_log2 - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    v = _load_rows(V, slots, stride_vs, kv_head * stride_vh, dims, present, HEAD_DIM, BLOCK_D, MASKED)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
 def _attend_work(
     work,
     first_request,
@@ -67,6 +131,7 @@ def _attend_work(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PADDED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -111,35 +176,24 @@ def _attend_work(
     split_lo = lo + split * split_size
     split_hi = tl.minimum(hi, split_lo + split_size)
 
+    # Blocks every row of the tile sees whole (no causal edge, window or padding inside) skip the masking.
+    full_hi = split_lo
+    if not PADDED and not HAS_WINDOW:
+        open_end = tl.minimum(split_hi, kv_len - q_len + first_token + 1)
+        full_hi = split_lo + tl.maximum(0, open_end - split_lo) // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(split_lo, split_hi, BLOCK_N):
-        entries = start + tl.arange(0, BLOCK_N)
-        slots = tl.load(idx_ptr + entries, mask=entries < split_hi, other=-1)
-        present = slots >= 0
-        k = tl.load(
-            K + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-            mask=present[:, None] & dim_valid[None, :],
-            other=0.0,
-        )
-        logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        visible = present[None, :] & (entries[None, :] <= last_visible[:, None])
-        if HAS_WINDOW:
-            visible = visible & (entries[None, :] > last_visible[:, None] - window)
-        logits = tl.where(visible, logits * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(logits - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            V + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-            mask=present[:, None] & dim_valid[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for start in range(split_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, start, split_hi, idx_ptr, K, V, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+            last_visible, window, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+    for start in range(full_hi, split_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, start, split_hi, idx_ptr, K, V, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+            last_visible, window, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -204,6 +258,8 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     HAS_FIRST: tl.constexpr,
     HAS_SECOND: tl.constexpr,
+    PADDED_FIRST: tl.constexpr,
+    PADDED_SECOND: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -220,7 +276,7 @@ def _attention_kernel(
                 stride_idx_second, num_kv_heads, tiles_second, splits_second, stride_qt, stride_qh, stride_ks,
                 stride_kh, stride_vs, stride_vh, stride_ot_second, stride_oh_second, stride_os_second,
                 stride_lt_second, stride_lh_second, stride_ls_second, scale_log2, window, GROUP, HEAD_DIM, BLOCK_D,
-                BLOCK_M_SECOND, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+                BLOCK_M_SECOND, BLOCK_N, PADDED_SECOND, HAS_WINDOW, DOT_PRECISION,
             )  # fmt: skip
     elif HAS_FIRST:
         _attend_work(
@@ -228,7 +284,7 @@ def _attention_kernel(
             stride_idx_first, num_kv_heads, tiles_first, splits_first, stride_qt, stride_qh, stride_ks, stride_kh,
             stride_vs, stride_vh, stride_ot_first, stride_oh_first, stride_os_first, stride_lt_first,
             stride_lh_first, stride_ls_first, scale_log2, window, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M_FIRST,
-            BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+            BLOCK_N, PADDED_FIRST, HAS_WINDOW, DOT_PRECISION,
         )  # fmt: skip
 
 
@@ -540,6 +596,8 @@ def paged_attention(
         BLOCK_N=launch.block_n,
         HAS_FIRST=programs[0] > 0,
         HAS_SECOND=programs[1] > 0,
+        PADDED_FIRST=sets[0].indices.dim() == 2,
+        PADDED_SECOND=sets[1].indices.dim() == 2,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=launch.num_warps,

@@ -171,6 +171,9 @@ SCENARIOS = {
     "verify": [(5, 12), (5, 5)],
     "prefill_chunk": [(4, 20), (6, 6)],  # a later chunk after 16 earlier tokens; a first chunk
     "mixed": [(1, 9), (5, 14), (3, 3), (1, 1), (6, 17)],
+    # Lists over several 64/128-entry blocks, the first query's causal edge just before, on and after a block
+    # boundary: the kernel reads whole visible blocks without masks and must mask exactly the rest.
+    "long_lists": [(1, 200), (5, 131), (5, 132), (9, 136), (9, 137), (5, 67), (5, 68), (1, 129)],
 }
 
 
@@ -196,7 +199,8 @@ def test_store_kv_writes_only_the_given_slots():
 @pytest.mark.parametrize("gqa_ratio", [1, 3, 4, 8])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_shared_lists_match_sdpa(scenario, gqa_ratio, head_dim, impl):
-    """Decode, verify (q_len 5), prefill chunks and mixed packed batches, for GQA ratios 1/3/4/8, head_dim 64/128.
+    """Decode, verify (q_len 5), prefill chunks, mixed packed batches and lists over several blocks, for GQA
+    ratios 1/3/4/8, head_dim 64/128.
 
     Protects the gather by scattered slots, the causal offset of multi-token queries, the GQA head grouping
     (query head h uses KV head h // ratio) and the per-request packing.
@@ -301,11 +305,13 @@ def test_per_head_lists_match_per_head_sdpa(gqa_ratio, impl):
 
 @pytest.mark.parametrize("gqa_ratio", [1, 3])
 def test_per_head_lists_with_padding(gqa_ratio, impl):
-    """Padding slots (-1) in per-head lists are skipped; heads of unequal true length share one padded length."""
+    """Padding slots (-1) in per-head lists are skipped; heads of unequal true length share one padded length
+    (the last two requests' lists span several blocks, padding inside whole blocks)."""
     g = torch.Generator().manual_seed(20 + gqa_ratio)
-    batch = _Batch([(1, 14), (5, 16), (1, 6), (2, 10)], 3 * gqa_ratio, 3, 64, seed=gqa_ratio)
-    keep = _random_subsets(batch, [[10, 3, 7], [2, 8, 5], [0, 5, 2], [8, 1, 4]], g)
-    indptr, indices = _per_head_lists(batch, keep, [2, 0, 1, 3], g)
+    batch = _Batch([(1, 14), (5, 16), (1, 6), (2, 10), (1, 300), (5, 260)], 3 * gqa_ratio, 3, 64, seed=gqa_ratio)
+    sizes = [[10, 3, 7], [2, 8, 5], [0, 5, 2], [8, 1, 4], [150, 90, 200], [140, 60, 100]]
+    keep = _random_subsets(batch, sizes, g)
+    indptr, indices = _per_head_lists(batch, keep, [2, 0, 1, 3, 20, 5], g)
     assert (indices == -1).any()
     _check(batch.run(impl, indptr, indices), _expected_per_head(batch, keep))
 
