@@ -170,8 +170,7 @@ def _attend_work(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(0, kv_len - q_len + first_token - window + 1)
-    if tile * BLOCK_M >= q_len * GROUP:  # no row of this tile is a query of the request: nothing to read
-        hi = lo
+    hi = tl.where(tile * BLOCK_M < q_len * GROUP, hi, lo)  # a tile with no query row of the request reads nothing
     split_size = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
     split_lo = lo + split * split_size
     split_hi = tl.minimum(hi, split_lo + split_size)
