@@ -188,7 +188,7 @@ def _attend_work(
             q, m_i, l_i, acc, start, split_hi, idx_ptr, K, V, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
             last_visible, window, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_WINDOW, DOT_PRECISION,
         )  # fmt: skip
-    for start in range(full_hi, split_hi, BLOCK_N):
+    for start in tl.range(full_hi, split_hi, BLOCK_N, num_stages=1):
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, start, split_hi, idx_ptr, K, V, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
             last_visible, window, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
@@ -439,18 +439,24 @@ class LaunchConfig:
 LAUNCH_OVERRIDE: LaunchConfig | None = None
 
 
-def _launch_config(head_dim: int, block_m: int) -> LaunchConfig:
-    """Tile and pipeline shape, from sweeps on the H200 (bf16; docs/performance.md, kernel sweeps 1 and 2):
-    head_dim 64 one-token tiles (decodes, drafts) read 64 entries per iteration with 2 warps and 3 stages
-    (decode 191 us vs 218 us with 128/4/2 at batch 256 x 4K; drafts 13 vs 16 us); multi-token tiles
-    (verifies, and a launch mixing drafts with verifies, which takes the heavier set's shape) read 128
-    with 4 warps and 3 stages (verify 262 vs 306 us; mixed 165 vs 229 us at 256 x 16K, 847 vs 934 us for
-    head_dim 128); head_dim 128 one-token tiles use 64 entries, 8 warps and 3 stages (74% vs 63%)."""
+def _launch_config(head_dim: int, block_m: int, dtype: torch.dtype) -> LaunchConfig:
+    """Tile and pipeline shape, from sweeps on the H200 (bf16; docs/performance.md, kernel sweeps 2 and 3).
+    head_dim 64: one-token tiles (decodes, drafts) read 64 entries per iteration with 2 warps and 3 stages;
+    32-row tiles (verifies: 9 queries x 3 heads) 128 entries with 2 warps (437 vs 458 us with 4 warps at
+    256 x 8K, sweep 3), larger tiles (prefill) 128 with 4 warps. head_dim 128: 64 entries, 4 warps, 3 stages
+    for every tile (Qwen3-8B 32 x 8K verify 290 vs 370 us with 128 entries, whose 214 KB of shared memory
+    left one program per SM; decode 246 vs 306 us with 8 warps). A mixed launch takes its heavier set's shape.
+    fp32 (exact dots, tests and parity runs) uses small tiles: its FMA-unrolled dots over bigger tiles spill
+    and take minutes to compile."""
     if LAUNCH_OVERRIDE is not None:
         return LAUNCH_OVERRIDE
-    if block_m > 16:
-        return LaunchConfig(128, 4, 3)
-    return LaunchConfig(64, 2, 3) if head_dim <= 64 else LaunchConfig(64, 8, 3)
+    if dtype == torch.float32:
+        return LaunchConfig(32, 4, 2)
+    if head_dim > 64:
+        return LaunchConfig(64, 4, 3)
+    if block_m <= 16:
+        return LaunchConfig(64, 2, 3)
+    return LaunchConfig(128, 2 if block_m <= 32 else 4, 3)
 
 
 @functools.cache
@@ -567,7 +573,7 @@ def paged_attention(
     device = query.device
     budget = _shared_memory_budget(device.index or 0) if device.type == "cuda" else None
     launch = _fit_shared_memory(  # one pipeline for both sets: the heavier one's
-        _launch_config(head_dim, block_m[heaviest]), _block_d(head_dim) * k_cache.element_size(), budget
+        _launch_config(head_dim, block_m[heaviest], query.dtype), _block_d(head_dim) * k_cache.element_size(), budget
     )
     _attention_kernel[(sum(programs),)](
         query,

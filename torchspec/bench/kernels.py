@@ -197,7 +197,7 @@ def _dense_baselines(case: Case) -> dict[str, tuple[Callable[[], object], int]]:
     }
 
 
-SWEEP = [(block_n, warps, stages) for block_n in (64, 128) for warps in (2, 4, 8) for stages in (2, 3)]
+SWEEP = [(block_n, warps, stages) for block_n in (32, 64, 128) for warps in (2, 4, 8) for stages in (2, 3)]
 
 
 def sweep(case: Case, cases: list[str] | None = None) -> list[dict]:

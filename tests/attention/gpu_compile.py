@@ -1,0 +1,143 @@
+"""Compile the Triton kernels' real launches for the H100/H200 (sm_90) without a GPU.
+
+Triton's CPU interpreter runs a kernel as Python, so it misses what only the compiler checks: a variable whose
+type differs between branches (an int32 bound assigned over an int64 one failed on the GPU only), constexpr
+misuse, layouts the code generator rejects. Here the host code's launches are recorded instead of run, and
+each is compiled to a cubin from its real arguments, specialised the way Triton's JIT would. Runs in its own
+process (``python -m tests.attention.gpu_compile NAME...``, prints ``{name: "ok" | error}`` as JSON): under
+``TRITON_INTERPRET=1`` every ``@triton.jit`` function, Triton's own included, is an interpreter object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from attention import paged
+from attention.reference import FirstLists
+
+H200 = GPUTarget("cuda", 90, 32)
+TRITON_TYPES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+}
+KERNELS = ("_attention_kernel", "_merge_splits_kernel", "_mass_kernel")
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` stores the call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def _compile(kernel: JITFunction, args: tuple, kwargs: dict) -> None:
+    """Compile one launch for sm_90: tensors become typed pointers, Python ints i32/i64 scalars, and pointers
+    and ints divisible by 16 carry that hint (what makes Triton vectorise the loads)."""
+    kwargs = dict(kwargs)
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+    values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = values[param.name]
+        divisible = False
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(index,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + TRITON_TYPES[value.dtype]
+            divisible = value.data_ptr() % 16 == 0
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            divisible = value % 16 == 0
+        else:
+            signature[param.name] = "fp32"
+        if divisible:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=H200, options=options)
+    assert compiled.asm["cubin"]
+
+
+def _split_launch(num_heads: int, num_kv_heads: int, head_dim: int, q_len: int, dtype: torch.dtype,
+                  window: int | None = None) -> Callable[[], None]:  # fmt: skip
+    """Long lists over a small batch: a split attention launch and its merge."""
+
+    def launch() -> None:
+        batch, context = 2, 2048
+        k = torch.randn(batch * context, num_kv_heads, head_dim).to(dtype)
+        query = torch.randn(batch * q_len, num_heads, head_dim).to(dtype)
+        indptr, indices = torch.arange(batch + 1) * context, torch.arange(batch * context)
+        cu = torch.arange(batch + 1) * q_len
+        paged.paged_attention(query, k, k, cu, indptr, indices, 0.125, window, max_q_len=q_len, max_kv_len=context)
+
+    return launch
+
+
+def _fused_launch_and_mass() -> None:
+    """Per-KV-head draft lists (with padding) and a verify in one launch, then the verify-score pass."""
+    num_heads, num_kv_heads, head_dim, drafts, context, budget = 9, 3, 64, 8, 2048, 128
+    k = torch.randn(context, num_kv_heads, head_dim).to(torch.bfloat16)
+    indptr, indices = torch.tensor([0, context]), torch.arange(context)
+    draft_indptr = torch.arange(drafts + 1) * budget
+    draft_indices = torch.randint(-1, context, (num_kv_heads, drafts * budget))
+    query = torch.randn(drafts + 9, num_heads, head_dim).to(torch.bfloat16)
+    cu = torch.cat([torch.arange(drafts + 1), torch.tensor([drafts + 9])])
+    first = FirstLists(drafts, draft_indptr, draft_indices, 1, budget)
+    paged.paged_attention(query, k, k, cu, indptr, indices, 0.125, max_q_len=9, max_kv_len=context, first_lists=first)
+    lse = torch.zeros(9, num_heads)
+    verify_cu, scored = torch.tensor([0, 9]), torch.tensor([9])
+    paged.attention_mass(query[drafts:], k, verify_cu, indptr, indices, lse, 0.125, scored, max_scored=9,
+                         max_kv_len=context)  # fmt: skip
+
+
+SCENARIOS: dict[str, Callable[[], None]] = {
+    "smollm2-decode": _split_launch(9, 3, 64, 1, torch.bfloat16),
+    "smollm2-verify": _split_launch(9, 3, 64, 9, torch.bfloat16),
+    "qwen3-decode": _split_launch(32, 8, 128, 1, torch.bfloat16),
+    "qwen3-verify": _split_launch(32, 8, 128, 9, torch.bfloat16),
+    "prefill-chunk": _split_launch(9, 3, 64, 64, torch.bfloat16),
+    "sliding-window": _split_launch(8, 2, 64, 5, torch.bfloat16, window=100),
+    "fp32": _split_launch(8, 2, 64, 5, torch.float32),  # exact dots: the test and parity path
+    "fused-and-mass": _fused_launch_and_mass,
+}
+
+
+def check(name: str) -> str:
+    """ "ok" when every launch of scenario ``name`` compiles, else the error."""
+    kernels = {kernel: getattr(paged, kernel) for kernel in KERNELS}
+    recorders = {kernel: _Recorder() for kernel in KERNELS}
+    try:
+        for kernel, recorder in recorders.items():
+            setattr(paged, kernel, recorder)
+        SCENARIOS[name]()
+        launches = [(kernels[k], call) for k, r in recorders.items() for call in r.calls]
+        if not launches:
+            return "no launch recorded"
+        for kernel, (args, kwargs) in launches:
+            _compile(kernel, args, kwargs)
+        return "ok"
+    except Exception:
+        return traceback.format_exc(limit=-3)[-3000:]
+    finally:
+        for kernel, function in kernels.items():
+            setattr(paged, kernel, function)
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: check(name) for name in sys.argv[1:] or SCENARIOS}))
