@@ -188,7 +188,9 @@ def _attend_work(
             q, m_i, l_i, acc, start, split_hi, idx_ptr, K, V, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
             last_visible, window, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_WINDOW, DOT_PRECISION,
         )  # fmt: skip
-    for start in tl.range(full_hi, split_hi, BLOCK_N, num_stages=1):
+    # The masked blocks are the whole range of padded lists and windows (pipelined like the main loop), else at
+    # most two blocks at the causal edge, where a pipeline's prologue would cost more than it hides.
+    for start in tl.range(full_hi, split_hi, BLOCK_N, num_stages=None if PADDED or HAS_WINDOW else 1):
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, start, split_hi, idx_ptr, K, V, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
             last_visible, window, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
