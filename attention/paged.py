@@ -25,10 +25,10 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # list entries per block of the verify-score pass
 MIN_SPLIT_ENTRIES = 256  # a KV split never holds fewer list entries than this
 MAX_SPLITS = 64
-# Work items a launch aims for: lists are cut into chunks of about equal work. 528 = 4 per SM of an H200, chosen
-# when decode programs used 4 warps; the 2-warp decode launch keeps ~6 per SM resident, so at batch 32 x 8K
-# (576 items) decode reads at 74% of peak against 89-93% from batch 128 (kernel run 6): re-sweep it with
-# `python -m torchspec.bench.kernels --target-programs ...`.
+# Work items a launch aims for: lists are cut into chunks of about equal work. 528 = 4 per SM of an H200. The
+# split-target sweep (docs/performance.md, kernels_h200_targets.jsonl) found no better single value: decodes are
+# fastest at 528, SmolLM2 verifies at 1056-1584 (wave quantisation: two 128-entry verify programs fit per SM),
+# Qwen3-8B verifies indifferent. A target from the compiled launch's resident programs is the next step.
 TARGET_PROGRAMS = 528
 
 
