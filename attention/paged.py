@@ -138,7 +138,9 @@ def _attend_work(
     """Work item ``work`` of one list set, numbered with the KV head fastest (a slot's heads are adjacent in the
     pool), then the split, the row tile and the request: the online softmax of one tile of (query token, group
     head) rows over split ``split`` of ``num_splits`` of the visible list entries; writes the normalised
-    partial output and its LSE (natural log). A tile past its request's rows reads and writes nothing."""
+    partial output and its LSE (natural log). A tile past its request's rows reads and writes nothing.
+    ``PADDED``: the set's lists are per KV head and may hold -1 padding anywhere, so every block is masked;
+    shared lists hold only real slots (the reference's contract), so their whole visible blocks are not."""
     kv_head = work % num_kv_heads
     rest = work // num_kv_heads
     split = rest % num_splits
@@ -449,7 +451,7 @@ def _launch_config(head_dim: int, block_m: int, dtype: torch.dtype) -> LaunchCon
     for every tile (Qwen3-8B 32 x 8K verify 290 vs 370 us with 128 entries, whose 214 KB of shared memory
     left one program per SM; decode 246 vs 306 us with 8 warps). A mixed launch takes its heavier set's shape.
     fp32 (exact dots, tests and parity runs) uses small tiles: its FMA-unrolled dots over bigger tiles spill
-    and take minutes to compile."""
+    (~30,000 spilled registers at head_dim 128 x 64 rows x 128 entries) and take over a minute to compile."""
     if LAUNCH_OVERRIDE is not None:
         return LAUNCH_OVERRIDE
     if dtype == torch.float32:
