@@ -8,7 +8,7 @@ two launches. FlexAttention and SDPA decode over a dense ``[B, Hkv, L, D]`` copy
 best case: no paging). Times are medians of CUDA-graph replays (no host overhead), caches flushed.
 
     python -m torchspec.bench.kernels --out kernels.jsonl
-    python -m torchspec.bench.kernels --report kernels.jsonl      # markdown table of a finished run
+    python -m torchspec.bench.kernels --report kernels.jsonl      # markdown table of a finished run (any kind)
     python -m torchspec.bench.kernels --sweep --batches 32 128 --contexts 8192 --out sweep.jsonl
         # every launch configuration (BLOCK_N x warps x stages) for our cases, records tagged with it
     python -m torchspec.bench.kernels --no-baselines --cases decode --target-programs 528 1056 2112
@@ -263,7 +263,12 @@ COLUMNS = ["decode", "verify", "draft", "mass", "mixed_fused", "mixed_two_launch
 
 
 def report(records: list[dict]) -> str:
-    """Markdown: one row per point, % of peak HBM bandwidth per case, and the fused launch's speed-up."""
+    """Markdown: one row per point, % of peak HBM bandwidth per case, and the fused launch's speed-up; for a
+    ``--sweep`` or ``--target-programs`` run, one row per (point, case) and one column per setting instead."""
+    if any("block_n" in r for r in records):
+        return _settings_table(records, lambda r: f"{r['block_n']}/{r['num_warps']}/{r['num_stages']}")
+    if any("target_programs" in r for r in records):
+        return _settings_table(records, lambda r: str(r["target_programs"]))
     points: dict[tuple, dict[str, dict]] = {}
     for r in records:
         points.setdefault((r["shape"], r["batch"], r["context"]), {})[r["case"]] = r
@@ -279,6 +284,33 @@ def report(records: list[dict]) -> str:
         fused, two = cases.get("mixed_fused", {}), cases.get("mixed_two_launches", {})
         speedup = f"{two['ms'] / fused['ms']:.2f}x" if "ms" in fused and "ms" in two else "-"
         lines.append(f"| {shape} | {batch} | {context} | " + " | ".join(cells) + f" | {speedup} |")
+    return "\n".join(lines)
+
+
+def _settings_table(records: list[dict], setting: Callable[[dict], str]) -> str:
+    """Microseconds per call of each (point, case) under each setting (launch shape or split target), the
+    fastest in bold; a setting that failed at a point shows "-"."""
+    rows: dict[tuple, dict[str, float]] = {}
+    columns: dict[str, None] = {}
+    for r in records:
+        columns[setting(r)] = None
+        if "ms" in r:
+            rows.setdefault((r["shape"], r["batch"], r["context"], r["case"]), {})[setting(r)] = r["ms"] * 1e3
+    lines = [
+        "| shape | batch | context | case | " + " | ".join(columns) + " |",
+        "|---|---|---|---|" + "---|" * len(columns),
+    ]
+    for (shape, batch, context, case), times in rows.items():
+        best = min(times.values())
+        cells = [
+            "-"
+            if column not in times
+            else f"**{times[column]:.0f}**"
+            if times[column] == best
+            else f"{times[column]:.0f}"
+            for column in columns
+        ]
+        lines.append(f"| {shape} | {batch} | {context} | {case} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

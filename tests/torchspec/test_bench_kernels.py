@@ -1,0 +1,37 @@
+"""The kernel benchmark's report (runs anywhere: it only reads records)."""
+
+from __future__ import annotations
+
+from torchspec.bench import kernels
+
+
+def _record(case: str, ms: float, **setting) -> dict:
+    return {"shape": "smollm2", "batch": 32, "context": 8192, "case": case, "ms": ms, **setting}
+
+
+def test_sweep_records_become_one_column_per_launch_shape_with_the_fastest_in_bold():
+    records = [
+        _record("verify", 0.081, block_n=128, num_warps=2, num_stages=3),
+        _record("verify", 0.088, block_n=128, num_warps=4, num_stages=3),
+        _record("decode", 0.057, block_n=128, num_warps=4, num_stages=3),
+    ]
+    failed = {k: v for k, v in _record("decode", 0, block_n=128, num_warps=2, num_stages=3).items() if k != "ms"}
+    records.append({**failed, "error": "out of resources"})
+    lines = kernels.report(records).splitlines()
+    assert lines[0] == "| shape | batch | context | case | 128/2/3 | 128/4/3 |"
+    assert lines[2] == "| smollm2 | 32 | 8192 | verify | **81** | 88 |"
+    assert lines[3] == "| smollm2 | 32 | 8192 | decode | - | **57** |"  # the failed setting shows "-"
+
+
+def test_split_target_records_become_one_column_per_target():
+    records = [_record("decode", 0.056, target_programs=528), _record("decode", 0.063, target_programs=1056)]
+    assert kernels.report(records).splitlines()[2] == "| smollm2 | 32 | 8192 | decode | **56** | 63 |"
+
+
+def test_plain_records_give_bandwidth_per_case_and_the_fused_speedup():
+    records = [
+        {**_record("mixed_fused", 0.015), "pct_peak": 39.0},
+        {**_record("mixed_two_launches", 0.026), "pct_peak": 23.0},
+    ]
+    row = kernels.report(records).splitlines()[2]
+    assert row.startswith("| smollm2 | 32 | 8192 |") and "39% (15 us)" in row and row.endswith("| 1.73x |")
