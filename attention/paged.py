@@ -449,7 +449,7 @@ def _launch_config(head_dim: int, block_m: int, dtype: torch.dtype) -> LaunchCon
     32-row tiles (verifies: 9 queries x 3 heads) 128 entries with 2 warps (437 vs 458 us with 4 warps at
     256 x 8K, sweep 3), larger tiles (prefill) 128 with 4 warps. head_dim 128: 64 entries, 4 warps, 3 stages
     for every tile (Qwen3-8B 32 x 8K verify 291 vs 370 us with 128 entries, whose 214 KB of shared memory
-    left one program per SM; decode 247 vs 306 us with 8 warps). A mixed launch takes its heavier set's shape.
+    left one program per SM; decode 247 vs 303 us with 8 warps). A mixed launch takes its heavier set's shape.
     fp32 (exact dots, tests and parity runs) uses small tiles: its FMA-unrolled dots over bigger tiles spill
     (~30,000 spilled registers at head_dim 128 x 64 rows x 128 entries) and take over a minute to compile."""
     if LAUNCH_OVERRIDE is not None:
