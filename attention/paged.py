@@ -12,7 +12,7 @@ is how draft and verify requests share a launch.
 from __future__ import annotations
 
 import functools
-import math
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +25,19 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # list entries per block of the verify-score pass
 MIN_SPLIT_ENTRIES = 256  # a KV split never holds fewer list entries than this
 MAX_SPLITS = 64
-# Work items a launch aims for: lists are cut into chunks of about equal work. 528 = 4 per SM of an H200. The
-# split-target sweep (docs/performance.md, kernels_h200_targets.jsonl) found no better single value: decodes are
-# fastest at 528, SmolLM2 verifies at 1056-1584 (wave quantisation: two 128-entry verify programs fit per SM),
-# Qwen3-8B verifies indifferent. A target from the compiled launch's resident programs is the next step.
-TARGET_PROGRAMS = 528
+# A program's fixed cost in blocks of list entries (pipeline fill, its partial output and the merge's read of
+# it): what one more split costs against shorter chunks. Fitted on the H200: over the (point, case) pairs timed
+# under several split counts (kernel runs 8 and 9, the split-target and split-overhead sweeps; docs/performance.md),
+# the simulated launch time (``_makespan``) at 2 blocks orders 206 of 220 pairs that differ by 4% or more as
+# measured.
+SPLIT_OVERHEAD_BLOCKS = 2
+# Programs a launch keeps resident where no GPU says (the CPU interpreter): four on each of an H200's 132 SMs.
+NOMINAL_RESIDENT_PROGRAMS = 528
+#: Forces the split count of every launch (the kernel benchmark's ``--splits``); None = the planner's choice.
+SPLIT_OVERRIDE: int | None = None
+#: Resident programs per (device, dtypes, compile-time configuration) of the attention kernel, read once from its
+#: compiled form (``_resident_programs``).
+_RESIDENT: dict[tuple, int] = {}
 
 
 @triton.jit
@@ -423,13 +431,59 @@ def _block_m(rows: int) -> int:
     return min(64, max(16, triton.next_power_of_2(max(rows, 1))))
 
 
-def _split_counts(num_kv_heads: int, groups: list[tuple[int, int, int]]) -> list[int]:
-    """Flash-decoding split count per list set (``(requests, row tiles, longest list)`` each): lists are cut
-    into chunks of about equal work, ~``TARGET_PROGRAMS`` of them, so a few long verify lists among many short
-    draft lists do not leave a tail of long-running programs (and a small batch still fills the GPU)."""
-    work = sum(requests * tiles * length for requests, tiles, length in groups) * num_kv_heads
-    chunk = max(MIN_SPLIT_ENTRIES, math.ceil(work / TARGET_PROGRAMS))
-    return [max(1, min(MAX_SPLITS, math.ceil(length / chunk))) for _, _, length in groups]
+def _makespan(sets: tuple[tuple[int, int], ...], splits: tuple[int, ...], resident: int, overhead: int) -> int:
+    """Time of a launch in blocks read per program: its programs (each ``ceil(blocks / splits) + overhead``
+    long) run ``resident`` at a time, each taking the first free slot in launch order, the second set's
+    programs (the long full-attention lists) first. Slots that free at the same time are one heap entry."""
+    slots = [(0, resident)]  # (time the slots free up, how many)
+    for (programs, blocks), n in reversed(list(zip(sets, splits, strict=True))):
+        remaining, length = programs * n, triton.cdiv(blocks, n) + overhead
+        while remaining:
+            time, free = heapq.heappop(slots)
+            while slots and slots[0][0] == time:
+                free += heapq.heappop(slots)[1]
+            if not slots and remaining >= free:  # every slot free at once: whole waves in one step
+                waves, remaining = divmod(remaining, free)
+                heapq.heappush(slots, (time + waves * length, free))
+                continue
+            taken = min(free, remaining)
+            if free > taken:
+                heapq.heappush(slots, (time, free - taken))
+            heapq.heappush(slots, (time + length, taken))
+            remaining -= taken
+    return max(time for time, _ in slots)
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_counts(sets: tuple[tuple[int, int], ...], resident: int, min_chunk: int, overhead: int) -> tuple[int, ...]:
+    """Flash-decoding split count per list set, each given as ``(programs per split, longest list in blocks)``.
+
+    Every program reads a chunk of about the same number of blocks (at least ``min_chunk``), so a few long
+    verify lists among many short draft lists leave no tail of long programs; how many chunks is planned on
+    the launch's simulated time (``_makespan``): a launch of 1.1 waves costs as much as 2, a one-wave launch
+    takes the shortest chunks that still fit, and short draft programs fill the slots the verifies leave.
+    Fewer splits win ties. Cached: every layer of a step asks the same question."""
+    longest = max((blocks for programs, blocks in sets if programs), default=0)
+    chunks = {max(min_chunk, triton.cdiv(longest, n)) for n in range(1, MAX_SPLITS + 1)}
+    options = {tuple(max(1, min(MAX_SPLITS, triton.cdiv(blocks, chunk))) for _, blocks in sets) for chunk in chunks}
+    return min(options, key=lambda splits: (_makespan(sets, splits, resident, overhead), sum(splits)))
+
+
+def _resident_programs(compiled, props) -> int:
+    """Programs of a compiled kernel the GPU runs at once: on each SM, the fewest that its registers
+    (allocated per warp in units of 256), shared memory (1 KB reserved per program), threads or the limit of
+    32 programs allow. The split count is planned against this, not a fixed target: a 255-register verify
+    program fits 4 per SM where a 152-register decode program fits 6, and a launch of 1.1 waves costs 2."""
+    compiled._init_handles()  # loads the binary: the register count is known from then on
+    warps = compiled.metadata.num_warps
+    regs_per_warp = triton.cdiv(compiled.n_regs * 32, 256) * 256
+    per_sm = min(
+        props.regs_per_multiprocessor // regs_per_warp // warps,
+        props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024),
+        props.max_threads_per_multi_processor // (32 * warps),
+        32,
+    )
+    return max(1, per_sm) * props.multi_processor_count
 
 
 @dataclass(frozen=True)
@@ -553,66 +607,66 @@ def paged_attention(
     ]
     block_m = [_block_m(q_len * group) for q_len in q_lens]
     tiles = [triton.cdiv(q_len * group, m) for q_len, m in zip(q_lens, block_m, strict=True)]
-    if num_splits is None:
-        splits = _split_counts(num_kv_heads, list(zip(requests, tiles, kv_lens, strict=True)))
-    else:
-        splits = list(num_splits) if isinstance(num_splits, tuple) else [num_splits, num_splits]
-    max_splits = max(splits)
-    if max_splits > 1:
-        part_out = torch.empty(num_tokens, num_heads, max_splits, head_dim, dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(num_tokens, num_heads, max_splits, dtype=torch.float32, device=query.device)
-    direct = (out[:, :, None], lse[:, :, None])
-    sets = [
-        _ListSet(
-            requests[i],
-            *((first.kv_indptr, first.kv_indices) if i == 0 else (kv_indptr, kv_indices)),
-            tiles[i],
-            splits[i],
-            *((part_out, part_lse) if splits[i] > 1 else direct),
-        )
-        for i in range(2)
-    ]
-    programs = [s.num_requests * s.tiles * num_kv_heads * s.splits for s in sets]
     heaviest = max(range(2), key=lambda i: requests[i] * tiles[i] * kv_lens[i])
     device = query.device
     budget = _shared_memory_budget(device.index or 0) if device.type == "cuda" else None
     launch = _fit_shared_memory(  # one pipeline for both sets: the heavier one's
         _launch_config(head_dim, block_m[heaviest], query.dtype), _block_d(head_dim) * k_cache.element_size(), budget
     )
-    _attention_kernel[(sum(programs),)](
-        query,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        num_first,
-        programs[1],
-        num_kv_heads,
-        *sets[1].args(),
-        *sets[0].args(),
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        scale * LOG2E,
-        sliding_window or 0,
+    lists = [(first.kv_indptr, first.kv_indices), (kv_indptr, kv_indices)]
+    constexprs = dict(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         BLOCK_M_FIRST=block_m[0],
         BLOCK_M_SECOND=block_m[1],
         BLOCK_N=launch.block_n,
-        HAS_FIRST=programs[0] > 0,
-        HAS_SECOND=programs[1] > 0,
-        PADDED_FIRST=sets[0].indices.dim() == 2,
-        PADDED_SECOND=sets[1].indices.dim() == 2,
+        HAS_FIRST=requests[0] * tiles[0] > 0,
+        HAS_SECOND=requests[1] * tiles[1] > 0,
+        PADDED_FIRST=lists[0][1].dim() == 2,
+        PADDED_SECOND=lists[1][1].dim() == 2,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
-    if max_splits > 1:
+
+    def bind(splits: tuple[int, ...]) -> tuple[int, list, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The launch's program count, its arguments and the splits' partial outputs (None: nothing split)."""
+        part = None
+        if max(splits) > 1:
+            shape = (num_tokens, num_heads, max(splits))
+            part = (torch.empty(*shape, head_dim, dtype=torch.float32, device=device),
+                    torch.empty(shape, dtype=torch.float32, device=device))  # fmt: skip
+        direct = (out[:, :, None], lse[:, :, None])
+        sets = [
+            _ListSet(requests[i], *lists[i], tiles[i], splits[i], *(part if splits[i] > 1 else direct))
+            for i in range(2)
+        ]
+        programs = [s.num_requests * s.tiles * num_kv_heads * s.splits for s in sets]
+        args = [query, k_cache, v_cache, cu_seqlens_q, num_first, programs[1], num_kv_heads, *sets[1].args(),
+                *sets[0].args(), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
+                v_cache.stride(0), v_cache.stride(1), scale * LOG2E, sliding_window or 0]  # fmt: skip
+        return sum(programs), args, part
+
+    num_splits = num_splits if num_splits is not None else SPLIT_OVERRIDE
+    if num_splits is not None:
+        splits = num_splits if isinstance(num_splits, tuple) else (num_splits, num_splits)
+    else:
+        blocks = [triton.cdiv(n, launch.block_n) for n in kv_lens]
+        sizes = tuple((r * t * num_kv_heads, b) for r, t, b in zip(requests, tiles, blocks, strict=True))
+        min_chunk = triton.cdiv(MIN_SPLIT_ENTRIES, launch.block_n)
+        key = (device, query.dtype, k_cache.dtype, *constexprs.items())
+        if device.type == "cuda" and key not in _RESIDENT:  # first launch of this kernel: compile, read its resources
+            guess = _split_counts(sizes, NOMINAL_RESIDENT_PROGRAMS, min_chunk, SPLIT_OVERHEAD_BLOCKS)
+            compiled = _attention_kernel.warmup(*bind(guess)[1], grid=(1,), **constexprs)
+            _RESIDENT[key] = _resident_programs(compiled, torch.cuda.get_device_properties(device))
+        resident = _RESIDENT.get(key, NOMINAL_RESIDENT_PROGRAMS)
+        splits = _split_counts(sizes, resident, min_chunk, SPLIT_OVERHEAD_BLOCKS)
+    programs, args, part = bind(splits)
+    _attention_kernel[(programs,)](*args, **constexprs)
+    if part is not None:
+        part_out, part_lse = part
         _merge_splits_kernel[(num_tokens * num_heads,)](
             part_out,
             part_lse,
@@ -632,7 +686,7 @@ def paged_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim),
-            BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
+            BLOCK_S=max(2, triton.next_power_of_2(max(splits))),
         )
     return out, lse
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -385,6 +386,44 @@ def test_split_kv_matches_one_pass(num_splits, window):
     _check(batch.run(IMPLEMENTATIONS["triton"][0], *batch.shared_lists(), window, num_splits=num_splits), expected)
 
 
+def test_a_forced_split_count_reaches_every_launch(monkeypatch):
+    """``SPLIT_OVERRIDE`` (the kernel benchmark's ``--splits``) replaces the planner's split count: the launch
+    is split 3 ways and the merge combines 3 partial results, and the output is still the unsplit one."""
+    batch = _Batch([(1, 300), (5, 200)], 6, 2, 64, seed=5)
+    merges = []
+    merge = paged._merge_splits_kernel
+    monkeypatch.setattr(paged, "SPLIT_OVERRIDE", 3)
+    monkeypatch.setattr(paged, "_merge_splits_kernel", _Recording(merge, merges))
+    _check(batch.run(IMPLEMENTATIONS["triton"][0], *batch.shared_lists(), None), batch.expected_shared(None))
+    values = dict(zip(merge.arg_names, merges[0], strict=False))
+    assert (values["splits_first"], values["splits_second"]) == (3, 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="resident programs are read from a GPU binary")
+def test_the_planner_reads_resident_programs_from_the_compiled_kernel():
+    """On a GPU the first launch of a kernel configuration compiles it and records how many of its programs the
+    GPU holds at once: at least one per SM, at most the 32 per SM the hardware allows."""
+    paged._RESIDENT.clear()
+    batch = _Batch([(1, 3000), (1, 2000)], 6, 2, 64, seed=6)
+    _check(batch.run(IMPLEMENTATIONS["triton"][0], *batch.shared_lists(), None), batch.expected_shared(None))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert len(paged._RESIDENT) == 1 and sms <= next(iter(paged._RESIDENT.values())) <= 32 * sms
+
+
+class _Recording:
+    """Stands in for a kernel: records each launch's arguments, then launches the real one."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(args)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
 def _fused_batch() -> tuple[_Batch, torch.Tensor, torch.Tensor, FirstLists, tuple, tuple]:
     """Two draft requests (per-head lists) before a verify and a decode (shared lists), and each group's own
     expectation: ``(batch, full_indptr, full_indices, first_lists, expected_drafts, expected_full)``."""
@@ -477,16 +516,67 @@ def test_kernel_benchmark_measures_every_case_of_a_small_point(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("groups", "expected"),
+    ("sets", "resident", "expected"),
     [
-        ([(0, 0, 0), (256, 1, 8192)], [1, 1]),  # a full batch of decodes: enough programs, no split
-        ([(0, 0, 0), (8, 1, 8192)], [1, 22]),  # a small batch: 8 x 3 heads x 22 splits = 528 programs
-        ([(228, 1, 410), (28, 1, 8192)], [1, 5]),  # drafts + verifies: only verify lists split, to ~1.6K each
+        # 256 decodes x 3 KV heads, 128 blocks each: 768 programs already fill the 792 an H200 holds: no split
+        (((0, 0), (768, 128)), 792, (1, 1)),
+        # 32 decodes: 8 splits make 768 programs, one wave of the shortest chunks that fit
+        (((0, 0), (96, 128)), 792, (1, 8)),
+        # 32 verifies of 4-per-SM programs (528 resident), 64 blocks each: 5 splits (480 programs, one wave),
+        # where 6 (576, 1.09 waves) would take two waves of 11-block chunks
+        (((0, 0), (96, 64)), 528, (1, 5)),
+        # 228 drafts of 7 blocks + 28 verifies of 128: the verify lists are cut into 9 chunks of 15 blocks,
+        # and the drafts fill the slots around them
+        (((684, 7), (84, 128)), 792, (1, 9)),
+        # nothing to read, and a list too long for MAX_SPLITS chunks
+        (((0, 0), (0, 0)), 792, (1, 1)),
+        (((0, 0), (3, 2**14)), 792, (1, paged.MAX_SPLITS)),
     ],
 )
-def test_split_counts_balance_the_work(groups, expected):
-    """Lists are cut into chunks of about equal work, so a few long lists never leave a tail of long programs."""
-    assert paged._split_counts(3, groups) == expected
+def test_split_counts_fill_whole_waves_of_resident_programs(sets, resident, expected):
+    """Lists are cut into chunks of about equal work, as many as fill whole waves of the programs the GPU holds
+    at once, so neither a few long lists nor a last, nearly empty wave leaves the GPU idle."""
+    assert paged._split_counts(sets, resident, 4, 2) == expected
+
+
+def test_a_bigger_per_program_cost_plans_fewer_splits():
+    """The planner weighs a program's fixed cost against shorter chunks: free programs make two waves of
+    6-block chunks (11 splits) beat one wave of 13-block chunks (5 splits); at 2 blocks per program they lose."""
+    sets = ((0, 0), (96, 64))
+    assert [paged._split_counts(sets, 528, 2, cost)[1] for cost in (0, 2)] == [11, 5]
+
+
+def test_makespan_schedules_programs_on_the_first_free_slot():
+    """Launch order puts the long (second-set) programs first and short ones into the slots left over: 2
+    programs of 4 blocks and 10 of 1 on 4 slots end at 5; a launch one program over a wave takes two."""
+    assert paged._makespan(((10, 1), (2, 4)), (1, 1), 4, 0) == 5
+    assert paged._makespan(((0, 0), (5, 4)), (1, 1), 4, 1) == 2 * (4 + 1)
+    assert paged._makespan(((0, 0), (4, 8)), (1, 2), 4, 0) == 2 * 4  # 8 programs of 4 blocks: two whole waves
+
+
+H200 = SimpleNamespace(
+    regs_per_multiprocessor=65536,
+    shared_memory_per_multiprocessor=233472,
+    max_threads_per_multi_processor=2048,
+    multi_processor_count=132,
+)
+
+
+@pytest.mark.parametrize(
+    ("registers", "warps", "shared", "resident"),
+    [
+        (255, 2, 46080, 4 * 132),  # SmolLM2 verify (sm_90 compile): 8 warps' registers, 4 programs
+        (152, 2, 20992, 6 * 132),  # SmolLM2 decode: registers allow 6 of 2 warps
+        (242, 4, 82432, 2 * 132),  # Qwen3-8B verify: registers and shared memory both allow 2
+        (32, 1, 0, 32 * 132),  # a tiny program: the 32-programs-per-SM limit
+    ],
+)
+def test_resident_programs_from_the_compiled_kernel(registers, warps, shared, resident):
+    """The occupancy arithmetic on a compiled kernel's registers, warps and shared memory (figures from local
+    sm_90 compiles of the real launches)."""
+    compiled = SimpleNamespace(n_regs=registers, metadata=SimpleNamespace(num_warps=warps, shared=shared),
+                               _init_handles=lambda: None)  # fmt: skip
+    assert paged._resident_programs(compiled, H200) == resident
 
 
 def test_launch_shapes_shrink_to_fit_shared_memory():

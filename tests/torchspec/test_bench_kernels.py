@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from torchspec.bench import kernels
 
 
@@ -23,9 +25,12 @@ def test_sweep_records_become_one_column_per_launch_shape_with_the_fastest_in_bo
     assert lines[3] == "| smollm2 | 32 | 8192 | decode | - | **57** |"  # the failed setting shows "-"
 
 
-def test_split_target_records_become_one_column_per_target():
-    records = [_record("decode", 0.056, target_programs=528), _record("decode", 0.063, target_programs=1056)]
-    assert kernels.report(records).splitlines()[2] == "| smollm2 | 32 | 8192 | decode | **56** | 63 |"
+@pytest.mark.parametrize("setting", kernels.SETTINGS)
+def test_split_setting_records_become_one_column_per_value(setting):
+    records = [_record("decode", 0.056, **{setting: 2}), _record("decode", 0.063, **{setting: 8})]
+    lines = kernels.report(records).splitlines()
+    assert lines[0] == "| shape | batch | context | case | 2 | 8 |"
+    assert lines[2] == "| smollm2 | 32 | 8192 | decode | **56** | 63 |"
 
 
 def test_plain_records_give_bandwidth_per_case_and_the_fused_speedup():

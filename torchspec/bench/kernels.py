@@ -11,8 +11,10 @@ best case: no paging). Times are medians of CUDA-graph replays (no host overhead
     python -m torchspec.bench.kernels --report kernels.jsonl      # markdown table of a finished run (any kind)
     python -m torchspec.bench.kernels --sweep --batches 32 128 --contexts 8192 --out sweep.jsonl
         # every launch configuration (BLOCK_N x warps x stages) for our cases, records tagged with it
-    python -m torchspec.bench.kernels --no-baselines --cases decode --target-programs 528 1056 2112
-        # the split target (how many work items a launch aims for) per value, records tagged with it
+    python -m torchspec.bench.kernels --no-baselines --cases decode verify --split-overhead 0 2 8
+        # the split planner's per-program cost (SPLIT_OVERHEAD_BLOCKS) per value, records tagged with it
+    python -m torchspec.bench.kernels --no-baselines --cases verify --splits 1 2 4 8 16
+        # each split count forced on every launch, records tagged with it
 """
 
 from __future__ import annotations
@@ -259,16 +261,21 @@ def _record(case: Case, name: str, fn: Callable[[], object], nbytes: int) -> dic
     }
 
 
+#: Record keys of a run under several values of one kernel setting: the split planner's per-program cost, a forced
+#: split count, and the fixed split target the planner replaced (kernels_h200_targets.jsonl).
+SETTINGS = ("split_overhead", "splits", "target_programs")
 COLUMNS = ["decode", "verify", "draft", "mass", "mixed_fused", "mixed_two_launches", "flex_decode", "sdpa_decode"]
 
 
 def report(records: list[dict]) -> str:
     """Markdown: one row per point, % of peak HBM bandwidth per case, and the fused launch's speed-up; for a
-    ``--sweep`` or ``--target-programs`` run, one row per (point, case) and one column per setting instead."""
+    ``--sweep`` or ``--split-overhead`` run (or an older run's split targets), one row per (point, case) and one
+    column per setting instead."""
     if any("block_n" in r for r in records):
         return _settings_table(records, lambda r: f"{r['block_n']}/{r['num_warps']}/{r['num_stages']}")
-    if any("target_programs" in r for r in records):
-        return _settings_table(records, lambda r: str(r["target_programs"]))
+    for key in SETTINGS:
+        if any(key in r for r in records):
+            return _settings_table(records, lambda r, key=key: str(r[key]))
     points: dict[tuple, dict[str, dict]] = {}
     for r in records:
         points.setdefault((r["shape"], r["batch"], r["context"]), {})[r["case"]] = r
@@ -288,7 +295,7 @@ def report(records: list[dict]) -> str:
 
 
 def _settings_table(records: list[dict], setting: Callable[[dict], str]) -> str:
-    """Microseconds per call of each (point, case) under each setting (launch shape or split target), the
+    """Microseconds per call of each (point, case) under each setting (launch shape or split planning), the
     fastest in bold; a setting that failed at a point shows "-"."""
     rows: dict[tuple, dict[str, float]] = {}
     columns: dict[str, None] = {}
@@ -316,7 +323,8 @@ def _settings_table(records: list[dict], setting: Callable[[dict], str]) -> str:
 
 @contextlib.contextmanager
 def _kernel_setting(name: str, value: object) -> Iterator[None]:
-    """Run with the kernel module's setting ``name`` (``LAUNCH_OVERRIDE``, ``TARGET_PROGRAMS``) set to
+    """Run with the kernel module's setting ``name`` (``LAUNCH_OVERRIDE``, ``SPLIT_OVERHEAD_BLOCKS``,
+    ``SPLIT_OVERRIDE``) set to
     ``value`` (None: as it is), restored afterwards."""
     from attention import paged
 
@@ -340,11 +348,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--baselines", action=argparse.BooleanOptionalAction, default=True, help="FlexAttention and SDPA decoding"
     )
-    parser.add_argument(
-        "--target-programs",
+    vary = parser.add_mutually_exclusive_group()
+    vary.add_argument(
+        "--split-overhead",
         nargs="+",
         type=int,
-        help="measure under each of these split targets (the kernel's TARGET_PROGRAMS: work items per launch)",
+        help="measure under each of these per-program costs of the split planner (SPLIT_OVERHEAD_BLOCKS)",
+    )
+    vary.add_argument(
+        "--splits", nargs="+", type=int, help="measure with each of these split counts forced on every launch"
     )
     args = parser.parse_args(argv)
     if args.report:
@@ -356,20 +368,25 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm import tqdm
 
     points = [(s, b, c) for s in args.shapes for b in args.batches for c in args.contexts]
+    varied = [  # (kernel setting, record key, values): at most one is given
+        ("SPLIT_OVERHEAD_BLOCKS", "split_overhead", args.split_overhead),
+        ("SPLIT_OVERRIDE", "splits", args.splits),
+    ]
+    setting, key, values = next((v for v in varied if v[2]), ("SPLIT_OVERRIDE", "", [None]))
     records = []
     for shape, batch, context in tqdm(points, desc="kernel benchmark"):
         case = Case(SHAPES[shape], batch, context)
         new = []
-        for target in args.target_programs or [None]:
-            with _kernel_setting("TARGET_PROGRAMS", target):
+        for value in values:
+            with _kernel_setting(setting, value):
                 runs = sweep(case, args.cases) if args.sweep else measure(case, args.baselines, args.cases)
-            new += [{**r, "target_programs": target} if target else r for r in runs]
+            new += [{**r, key: value} if value is not None else r for r in runs]
         del case
         torch.cuda.empty_cache()
         records.extend(new)
         with open(args.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in new)
-    if not args.sweep and not args.target_programs:
+    if not args.sweep and not key:
         print(report(records))
 
 
