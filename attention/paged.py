@@ -27,9 +27,8 @@ MIN_SPLIT_ENTRIES = 256  # a KV split never holds fewer list entries than this
 MAX_SPLITS = 64
 # A program's fixed cost in blocks of list entries (pipeline fill, its partial output and the merge's read of
 # it): what one more split costs against shorter chunks. Fitted on the H200: over the (point, case) pairs timed
-# under several split counts (kernel runs 8 and 9, the split-target and split-overhead sweeps; docs/performance.md),
-# the simulated launch time (``_makespan``) at 2 blocks orders 206 of 220 pairs that differ by 4% or more as
-# measured.
+# under several split counts (docs/performance.md, "Split planning"), the simulated launch time (``_makespan``)
+# at 2 blocks orders 361 of the 377 pairs that differ by 4% or more as measured (3 or 4 blocks do as well).
 SPLIT_OVERHEAD_BLOCKS = 2
 # Programs a launch keeps resident where no GPU says (the CPU interpreter): four on each of an H200's 132 SMs.
 NOMINAL_RESIDENT_PROGRAMS = 528
