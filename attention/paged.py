@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -358,6 +359,7 @@ def _mass_kernel(
     kv_indptr,
     kv_indices,
     num_scored,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -373,15 +375,19 @@ def _mass_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One (request, KV head, block of list entries): exact probabilities ``exp(q.k * scale - lse)`` of the
-    request's last ``num_scored`` queries, summed over them and the group's heads, divided by their count."""
+    """One (request, KV head, split of its list): exact probabilities ``exp(q.k * scale - lse)`` of the
+    request's last ``num_scored`` queries, summed over them and the group's heads, divided by their count.
+    The queries and their LSE are loaded once, then the split's blocks of K rows stream through."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    block = tl.program_id(2)
+    split = tl.program_id(2)
     count = tl.load(num_scored + b)
     kv_start = tl.load(kv_indptr + b)
     kv_len = tl.load(kv_indptr + b + 1) - kv_start
-    if count == 0 or block * BLOCK_N >= kv_len:
+    split_size = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_size
+    hi = tl.minimum(kv_len, lo + split_size)
+    if count == 0 or lo >= hi:
         return
     q_end = tl.load(cu_seqlens_q + b + 1)
     q_len = q_end - tl.load(cu_seqlens_q + b)
@@ -400,20 +406,22 @@ def _mass_kernel(
         other=0.0,
     ).to(K.dtype.element_ty)
     lse = tl.load(Lse + tok * stride_lt + q_head * stride_lh, mask=row_valid, other=float("inf"))
-    entries = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_list = entries < kv_len
-    slots = tl.load(kv_indices + kv_start + entries, mask=in_list, other=0)
-    k = tl.load(
-        K + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-        mask=in_list[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
-    logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    lse_log2 = lse * 1.4426950408889634
     last_visible = kv_len - count + token
-    visible = row_valid[:, None] & in_list[None, :] & (entries[None, :] <= last_visible[:, None])
-    probs = tl.where(visible, tl.exp2(logits * scale_log2 - lse[:, None] * 1.4426950408889634), 0.0)
-    mass = tl.sum(probs, axis=0) / (count * GROUP)
-    tl.store(Mass + kv_head * stride_mh + kv_start + entries, mass, mask=in_list)
+    for start in tl.range(lo, hi, BLOCK_N):
+        entries = start + tl.arange(0, BLOCK_N)
+        in_list = entries < hi
+        slots = tl.load(kv_indices + kv_start + entries, mask=in_list, other=0)
+        k = tl.load(
+            K + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+            mask=in_list[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        visible = row_valid[:, None] & in_list[None, :] & (entries[None, :] <= last_visible[:, None])
+        probs = tl.where(visible, tl.exp2(logits * scale_log2 - lse_log2[:, None]), 0.0)
+        mass = tl.sum(probs, axis=0) / (count * GROUP)
+        tl.store(Mass + kv_head * stride_mh + kv_start + entries, mass, mask=in_list)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -466,6 +474,19 @@ def _split_counts(sets: tuple[tuple[int, int], ...], resident: int, min_chunk: i
     chunks = {max(min_chunk, triton.cdiv(longest, n)) for n in range(1, MAX_SPLITS + 1)}
     options = {tuple(max(1, min(MAX_SPLITS, triton.cdiv(blocks, chunk))) for _, blocks in sets) for chunk in chunks}
     return min(options, key=lambda splits: (_makespan(sets, splits, resident, overhead), sum(splits)))
+
+
+def _resident(kernel, device: torch.device, key: tuple, compile_args: Callable[[], tuple[list, dict]]) -> int:
+    """Resident programs of ``kernel`` in the compile-time configuration ``key``: on a GPU read once from the
+    compiled binary (``compile_args`` gives the launch arguments to compile it with), elsewhere nominal."""
+    if device.type != "cuda":
+        return NOMINAL_RESIDENT_PROGRAMS
+    key = (kernel.fn.__name__, device, *key)
+    if key not in _RESIDENT:
+        args, constexprs = compile_args()
+        compiled = kernel.warmup(*args, grid=(1,), **constexprs)
+        _RESIDENT[key] = _resident_programs(compiled, torch.cuda.get_device_properties(device))
+    return _RESIDENT[key]
 
 
 def _resident_programs(compiled, props) -> int:
@@ -655,12 +676,9 @@ def paged_attention(
         blocks = [triton.cdiv(n, launch.block_n) for n in kv_lens]
         sizes = tuple((r * t * num_kv_heads, b) for r, t, b in zip(requests, tiles, blocks, strict=True))
         min_chunk = triton.cdiv(MIN_SPLIT_ENTRIES, launch.block_n)
-        key = (device, query.dtype, k_cache.dtype, *constexprs.items())
-        if device.type == "cuda" and key not in _RESIDENT:  # first launch of this kernel: compile, read its resources
-            guess = _split_counts(sizes, NOMINAL_RESIDENT_PROGRAMS, min_chunk, SPLIT_OVERHEAD_BLOCKS)
-            compiled = _attention_kernel.warmup(*bind(guess)[1], grid=(1,), **constexprs)
-            _RESIDENT[key] = _resident_programs(compiled, torch.cuda.get_device_properties(device))
-        resident = _RESIDENT.get(key, NOMINAL_RESIDENT_PROGRAMS)
+        guess = functools.partial(_split_counts, sizes, NOMINAL_RESIDENT_PROGRAMS, min_chunk, SPLIT_OVERHEAD_BLOCKS)
+        key = (query.dtype, k_cache.dtype, *constexprs.items())
+        resident = _resident(_attention_kernel, device, key, lambda: (bind(guess())[1], constexprs))
         splits = _split_counts(sizes, resident, min_chunk, SPLIT_OVERHEAD_BLOCKS)
     programs, args, part = bind(splits)
     _attention_kernel[(programs,)](*args, **constexprs)
@@ -702,16 +720,48 @@ def attention_mass(
     *,
     max_scored: int | None = None,
     max_kv_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`attention.reference.attention_mass` (same arguments and result): a second
-    pass over the K rows of scored requests only, re-materialising probabilities from the returned LSE."""
+    pass over the K rows of scored requests only, re-materialising probabilities from the returned LSE.
+    Each list is cut into ``num_splits`` chunks (tests; default: planned like the attention's splits, which
+    here need no merge: every entry's mass is written once)."""
     num_kv_heads = k_cache.shape[1]
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
-    mass = torch.zeros(num_kv_heads, kv_indices.shape[-1], dtype=torch.float32, device=query.device)
+    device = query.device
+    mass = torch.zeros(num_kv_heads, kv_indices.shape[-1], dtype=torch.float32, device=device)
     num_requests = cu_seqlens_q.shape[0] - 1
     if num_requests == 0 or kv_indices.shape[-1] == 0:
         return mass
+    if max_scored is None:
+        max_scored = int(num_scored_queries.max())
+    if max_kv_len is None:
+        max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
+    if max_scored == 0:
+        return mass
+    constexprs = dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_M=max(16, triton.next_power_of_2(max_scored * group)),
+        BLOCK_N=BLOCK_N,
+        DOT_PRECISION=_dot_precision(query.dtype),
+    )
+
+    def args(splits: int) -> list:
+        return [query, k_cache, lse, mass, cu_seqlens_q, kv_indptr, kv_indices, num_scored_queries, splits,
+                query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), lse.stride(0),
+                lse.stride(1), mass.stride(0), scale * LOG2E]  # fmt: skip
+
+    num_splits = num_splits or SPLIT_OVERRIDE
+    if num_splits is None:
+        sizes = ((0, 0), (num_requests * num_kv_heads, triton.cdiv(max_kv_len, BLOCK_N)))
+        key = (query.dtype, k_cache.dtype, *constexprs.items())
+        resident = _resident(_mass_kernel, device, key, lambda: (args(2), constexprs))
+        num_splits = _split_counts(sizes, resident, triton.cdiv(MIN_SPLIT_ENTRIES, BLOCK_N), SPLIT_OVERHEAD_BLOCKS)[1]
+    _mass_kernel[(num_requests, num_kv_heads, num_splits)](*args(num_splits), **constexprs)
+    return mass
     if max_scored is None:
         max_scored = int(num_scored_queries.max())
     if max_kv_len is None:

@@ -503,6 +503,23 @@ def test_attention_mass_is_the_mean_softmax_of_the_scored_queries(gqa_ratio):
         torch.testing.assert_close(mass, expected, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+def test_attention_mass_splits_cover_every_entry_once(num_splits):
+    """The score pass cuts long lists into splits of whole 64-entry blocks (some empty with 7 splits of the
+    short lists), each program looping over its blocks: every entry's mass is written once, as the reference's."""
+    lens = [(9, 700), (9, 129), (1, 64), (9, 300)]
+    scored = torch.tensor([9, 9, 0, 3])
+    batch = _Batch(lens, 6, 2, 64, seed=num_splits)
+    indptr, indices = batch.shared_lists()
+    _, lse = reference.paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, indptr, indices, batch.scale
+    )
+    inputs = (batch.query, batch.k_cache, batch.cu_seqlens_q, indptr, indices, lse, batch.scale, scored)
+    expected = reference.attention_mass(*inputs)
+    mass = IMPLEMENTATIONS["triton"][1](*inputs, num_splits=num_splits)
+    torch.testing.assert_close(mass, expected, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel benchmark times CUDA graphs")
 def test_kernel_benchmark_measures_every_case_of_a_small_point(tmp_path):
