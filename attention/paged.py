@@ -762,34 +762,3 @@ def attention_mass(
         num_splits = _split_counts(sizes, resident, triton.cdiv(MIN_SPLIT_ENTRIES, BLOCK_N), SPLIT_OVERHEAD_BLOCKS)[1]
     _mass_kernel[(num_requests, num_kv_heads, num_splits)](*args(num_splits), **constexprs)
     return mass
-    if max_scored is None:
-        max_scored = int(num_scored_queries.max())
-    if max_kv_len is None:
-        max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
-    if max_scored == 0:
-        return mass
-    _mass_kernel[(num_requests, num_kv_heads, triton.cdiv(max_kv_len, BLOCK_N))](
-        query,
-        k_cache,
-        lse,
-        mass,
-        cu_seqlens_q,
-        kv_indptr,
-        kv_indices,
-        num_scored_queries,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        lse.stride(0),
-        lse.stride(1),
-        mass.stride(0),
-        scale * LOG2E,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim),
-        BLOCK_M=max(16, triton.next_power_of_2(max_scored * group)),
-        BLOCK_N=BLOCK_N,
-        DOT_PRECISION=_dot_precision(query.dtype),
-    )
-    return mass
