@@ -476,17 +476,25 @@ def _split_counts(sets: tuple[tuple[int, int], ...], resident: int, min_chunk: i
     return min(options, key=lambda splits: (_makespan(sets, splits, resident, overhead), sum(splits)))
 
 
-def _resident(kernel, device: torch.device, key: tuple, compile_args: Callable[[], tuple[list, dict]]) -> int:
-    """Resident programs of ``kernel`` in the compile-time configuration ``key``: on a GPU read once from the
-    compiled binary (``compile_args`` gives the launch arguments to compile it with), elsewhere nominal."""
-    if device.type != "cuda":
-        return NOMINAL_RESIDENT_PROGRAMS
-    key = (kernel.fn.__name__, device, *key)
-    if key not in _RESIDENT:
-        args, constexprs = compile_args()
-        compiled = kernel.warmup(*args, grid=(1,), **constexprs)
-        _RESIDENT[key] = _resident_programs(compiled, torch.cuda.get_device_properties(device))
-    return _RESIDENT[key]
+def _planned_splits(
+    kernel, device: torch.device, config: tuple, lists: tuple[tuple[int, int], ...], block_n: int,
+    args_for: Callable[[tuple[int, ...]], list], constexprs: dict,
+) -> tuple[int, ...]:  # fmt: skip
+    """Split count per list set (``(programs per split, longest list in entries)`` each) of a launch of
+    ``kernel``, planned against the programs its compiled form keeps resident: on a GPU read once per device and
+    configuration (``config``: dtypes and compile-time constants) from the binary, compiled from the arguments
+    ``args_for`` gives the nominal plan; without a GPU the nominal count."""
+    sizes = tuple((programs, triton.cdiv(length, block_n)) for programs, length in lists)
+    min_chunk = triton.cdiv(MIN_SPLIT_ENTRIES, block_n)
+    resident = NOMINAL_RESIDENT_PROGRAMS
+    if device.type == "cuda":
+        key = (kernel.fn.__name__, device, *config)
+        if key not in _RESIDENT:
+            nominal = _split_counts(sizes, NOMINAL_RESIDENT_PROGRAMS, min_chunk, SPLIT_OVERHEAD_BLOCKS)
+            compiled = kernel.warmup(*args_for(nominal), grid=(1,), **constexprs)
+            _RESIDENT[key] = _resident_programs(compiled, torch.cuda.get_device_properties(device))
+        resident = _RESIDENT[key]
+    return _split_counts(sizes, resident, min_chunk, SPLIT_OVERHEAD_BLOCKS)
 
 
 def _resident_programs(compiled, props) -> int:
@@ -673,13 +681,11 @@ def paged_attention(
     if num_splits is not None:
         splits = num_splits if isinstance(num_splits, tuple) else (num_splits, num_splits)
     else:
-        blocks = [triton.cdiv(n, launch.block_n) for n in kv_lens]
-        sizes = tuple((r * t * num_kv_heads, b) for r, t, b in zip(requests, tiles, blocks, strict=True))
-        min_chunk = triton.cdiv(MIN_SPLIT_ENTRIES, launch.block_n)
-        guess = functools.partial(_split_counts, sizes, NOMINAL_RESIDENT_PROGRAMS, min_chunk, SPLIT_OVERHEAD_BLOCKS)
-        key = (query.dtype, k_cache.dtype, *constexprs.items())
-        resident = _resident(_attention_kernel, device, key, lambda: (bind(guess())[1], constexprs))
-        splits = _split_counts(sizes, resident, min_chunk, SPLIT_OVERHEAD_BLOCKS)
+        sizes = tuple((r * t * num_kv_heads, n) for r, t, n in zip(requests, tiles, kv_lens, strict=True))
+        config = (query.dtype, k_cache.dtype, *constexprs.items())
+        splits = _planned_splits(
+            _attention_kernel, device, config, sizes, launch.block_n, lambda plan: bind(plan)[1], constexprs
+        )
     programs, args, part = bind(splits)
     _attention_kernel[(programs,)](*args, **constexprs)
     if part is not None:
@@ -754,11 +760,12 @@ def attention_mass(
                 query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), lse.stride(0),
                 lse.stride(1), mass.stride(0), scale * LOG2E]  # fmt: skip
 
-    num_splits = num_splits or SPLIT_OVERRIDE
+    num_splits = num_splits if num_splits is not None else SPLIT_OVERRIDE
     if num_splits is None:
-        sizes = ((0, 0), (num_requests * num_kv_heads, triton.cdiv(max_kv_len, BLOCK_N)))
-        key = (query.dtype, k_cache.dtype, *constexprs.items())
-        resident = _resident(_mass_kernel, device, key, lambda: (args(2), constexprs))
-        num_splits = _split_counts(sizes, resident, triton.cdiv(MIN_SPLIT_ENTRIES, BLOCK_N), SPLIT_OVERHEAD_BLOCKS)[1]
+        sizes = ((0, 0), (num_requests * num_kv_heads, max_kv_len))
+        config = (query.dtype, k_cache.dtype, *constexprs.items())
+        num_splits = _planned_splits(
+            _mass_kernel, device, config, sizes, BLOCK_N, lambda plan: args(plan[1]), constexprs
+        )[1]
     _mass_kernel[(num_requests, num_kv_heads, num_splits)](*args(num_splits), **constexprs)
     return mass

@@ -324,8 +324,7 @@ def _settings_table(records: list[dict], setting: Callable[[dict], str]) -> str:
 @contextlib.contextmanager
 def _kernel_setting(name: str, value: object) -> Iterator[None]:
     """Run with the kernel module's setting ``name`` (``LAUNCH_OVERRIDE``, ``SPLIT_OVERHEAD_BLOCKS``,
-    ``SPLIT_OVERRIDE``) set to
-    ``value`` (None: as it is), restored afterwards."""
+    ``SPLIT_OVERRIDE``) set to ``value`` (None: as it is), restored afterwards."""
     from attention import paged
 
     saved = getattr(paged, name)
