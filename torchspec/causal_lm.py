@@ -14,7 +14,8 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from torchspec.config import SpecConfig
-from torchspec.engine import Engine
+from torchspec.drafting import POLICIES
+from torchspec.engine import Engine, use_draft_chain
 from torchspec.generation_config import infer_attention_mask, resolve_generation_config
 from torchspec.hf import probe_attention_layers
 from torchspec.models import find_tokenizer
@@ -50,6 +51,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
         self.tokenizer = tokenizer
         self._tokenizer_searched = tokenizer is not None
         self.layers = probe_attention_layers(model)
+        use_draft_chain(config.draft_chain, POLICIES.get(config.draft))  # refuse a bad pairing now, not at first use
         self.last_stats = GenerationStats()
         self._engine: Engine | None = None
 

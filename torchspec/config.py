@@ -62,6 +62,11 @@ class SpecConfig:
             without capture (same tokens). ``None`` = on with CUDA (measured on the H200: 2.4x for plain
             decoding, 1.7x with speculation, docs/performance.md), off elsewhere and with the reference
             attention backend (it reads the lists on the host, which a capture cannot hold).
+        draft_chain: run each request's draft steps of a round back to back within one engine step, each
+            forward fed the previous draft token on the device, so the host schedules and reads results twice
+            per round (drafts, verify) instead of k + 1 times. Same tokens as one draft per step (greedy) and
+            the same distribution (sampling). ``None`` = on, except for policies that decide after each draft
+            whether to draft another (``sparsespec_l``: by its entropy, read on the host).
         attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device),
             ``"auto"`` (Triton on CUDA, the reference elsewhere) or ``"flex"`` (``"auto"`` with FlexAttention
             for prefill chunks: a document mask built from the slot lists; measured 6.5-7.4x slower than the Triton
@@ -84,6 +89,7 @@ class SpecConfig:
     unified_schedule: bool = True
     compile: bool | None = None
     cuda_graphs: bool | None = None
+    draft_chain: bool | None = None
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -119,7 +125,7 @@ class SpecConfig:
         )
         for name in ("offload", "delayed_verify", "unified_schedule", "head_budgets"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")
-        for name in ("compile", "cuda_graphs"):
+        for name in ("compile", "cuda_graphs", "draft_chain"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")
         _require(not self.offload, "offload=True is not available in this release; leave it at its default")
         _require(

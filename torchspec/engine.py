@@ -9,7 +9,7 @@ import torch
 
 import attention
 from torchspec.config import SpecConfig
-from torchspec.drafting import make_policy
+from torchspec.drafting import DraftPolicy, make_policy
 from torchspec.hf import routed_attention
 from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens
 from torchspec.request import FinishReason, Request, SamplingParams
@@ -31,6 +31,21 @@ def use_cuda_graphs(setting: bool | None, device: torch.device, ops: object) -> 
             "use attention_backend='auto', 'triton' or 'flex', or cuda_graphs=False"
         )
     return device.type == "cuda" and capturable if setting is None else setting
+
+
+def use_draft_chain(setting: bool | None, policy: DraftPolicy | type[DraftPolicy] | None) -> bool:
+    """Whether a request drafts its whole round in one step: ``None`` = wherever the policy (or its class)
+    allows it: it has draft steps, and does not decide between them whether to go on."""
+    if policy is None or policy.proposes_tokens:
+        return False
+    if policy.uses_draft_entropy:
+        if setting:
+            raise ValueError(
+                f"draft_chain=True cannot run draft={policy.name!r}: it decides after each draft, from that "
+                "draft's entropy on the host, whether to draft another; use draft_chain=None or False"
+            )
+        return False
+    return setting is None or setting
 
 
 class Engine:
@@ -69,6 +84,7 @@ class Engine:
             max_batch_size=config.max_batch_size,
         )
         self.num_draft_slots = self.runner.num_draft_slots
+        self.draft_chain = use_draft_chain(config.draft_chain, self.policy)
         self._run_start = time.perf_counter()
         self._run_steps = 0
 
@@ -109,7 +125,12 @@ class Engine:
         self._run_start = time.perf_counter()
         self._run_steps = 0
         scheduler = Scheduler(
-            self.pool.allocator, self.config.max_batch_size, self.config.max_step_tokens, self.policy, self.config.k
+            self.pool.allocator,
+            self.config.max_batch_size,
+            self.config.max_step_tokens,
+            self.policy,
+            self.config.k,
+            self.draft_chain,
         )
         for request in requests:
             if request.is_finished:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -63,7 +64,7 @@ class Runner:
 
         Host work grows with the batch and the step's query tokens, not with the context: slot lists are
         gathered from the device slot table (see slot_table.py)."""
-        input_ids: list[int] = []
+        ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         token_rows: list[int] = []
@@ -73,7 +74,7 @@ class Runner:
             request, start = item.request, item.first_position
             end = start + item.num_query_tokens
             row = self.table.row(request)
-            input_ids.extend(item.query_token_ids())
+            ids.extend(item.query_token_ids())
             positions.extend(range(start, end))
             slot_mapping.extend(request.slots[start:end])
             token_rows.extend([row] * item.num_query_tokens)
@@ -102,7 +103,7 @@ class Runner:
             max_q_len=max(item.num_query_tokens for item in plan.scheduled),
             max_scored_queries=max(scored, default=0),
         )
-        return self._tensor(input_ids)[None], self._tensor(positions)[None], metadata
+        return self._tensor(ids)[None], self._tensor(positions)[None], metadata
 
     def _view(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> KVView:
         indptr, indices = self.table.gather(rows, starts, ends)
@@ -122,12 +123,20 @@ class Runner:
         and the stacked lists ``[layers, Hkv, N]`` the views slice."""
         if not items or self.policy.selects_in_attention:
             return {}, None
+        view, _ = self._policy_lists(items)  # lists [layers, Hkv, N]
+        return self._layer_views(view), view.kv_indices
+
+    def _policy_lists(self, items: Sequence[ScheduledRequest]) -> tuple[KVView, list[int]]:
+        """The lists the policy fixes for each draft request's position (see ``_draft_lists``)."""
         chosen = [self.policy.draft_positions(item.request, item.first_position) for item in items]
         fixed, recent_from = zip(*chosen, strict=True)
-        view = self._draft_lists(items, fixed, recent_from)  # lists [layers, Hkv, N]
+        return self._draft_lists(items, fixed, recent_from)
+
+    def _layer_views(self, view: KVView) -> dict[int, KVView]:
+        """Each sparse layer's view of stacked draft lists ``[layers, Hkv, N]``."""
         per_layer = view.kv_indices.unbind(0)  # one op for all layers (a GPU pays ~10 us of host per op)
         width = view.kv_indices.shape[1]
-        views = {
+        return {
             layer: KVView(
                 view.kv_indptr,
                 lists if self.num_kv_heads[layer] == width else lists[: self.num_kv_heads[layer]],
@@ -135,15 +144,15 @@ class Runner:
             )
             for layer, lists in zip(self.policy.sparse_layers, per_layer, strict=True)
         }
-        return views, view.kv_indices
 
     def _draft_lists(
         self, items: Sequence[ScheduledRequest], fixed: Sequence[torch.Tensor], recent_from: Sequence[int] | None
-    ) -> KVView:
+    ) -> tuple[KVView, list[int]]:
         """Per-KV-head slot lists of draft requests (``[layers, Hkv, N]``, or ``[Hkv, N]`` for one layer's
         selection), built for all requests at once on the device, in a few launches whatever the batch:
         request j reads its ``fixed[j]`` positions (``[n]`` or ``[..., Hkv, n]``; -1 stays padding) and, when
-        ``recent_from`` is given, every position from ``recent_from[j]`` to its draft position."""
+        ``recent_from`` is given, every position from ``recent_from[j]`` to its draft position. Also returns
+        the offsets (host), to slice the lists per forward of a draft chain."""
         num_layers, num_heads = len(self.policy.sparse_layers), self.policy.num_kv_heads
         shape = (num_heads,) if fixed[0].dim() == 2 else (num_layers, num_heads)
         fixed = [f.expand(*shape, -1) if f.dim() == 1 else f for f in fixed]
@@ -169,7 +178,7 @@ class Runner:
         local = torch.arange(recent_starts[-1], device=self.device) - recent_start[owner]
         positions[..., start[owner] + fixed_length[owner] + local] = first_recent[owner] + local
         entry_rows = torch.repeat_interleave(row, length, output_size=indptr[-1])
-        return KVView(self._tensor(indptr), self.table.lookup(entry_rows, positions), max(lengths))
+        return KVView(self._tensor(indptr), self.table.lookup(entry_rows, positions), max(lengths)), indptr
 
     def _owners(self, lengths: torch.Tensor, total: int) -> torch.Tensor:
         """For each of ``total`` concatenated entries, the index of the request it belongs to."""
@@ -188,14 +197,82 @@ class Runner:
                     item.request, item.first_position, layer, query, k_cache[slots], scale
                 )
                 positions.append(chosen.to(self.device))
-            return self._draft_lists(items, positions, None)
+            return self._draft_lists(items, positions, None)[0]
 
         return select
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> list[StepResult]:
-        """Execute one step: the forward, the policy's learning from verify attention, token selection."""
+        """Execute one step: the forward, the policy's learning from verify attention, token selection; then
+        the later forwards of draft chains, each fed the previous draft tokens on the device. The host reads
+        the step's tokens back once, at the end, so a chain's forwards queue on the GPU back to back."""
         input_ids, position_ids, metadata = self.build_metadata(plan)
+        logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
+        self._learn_from_verify(plan, metadata)
+        picks = self._pick(plan, logits, first_row)
+        drafts = plan.scheduled[: plan.num_drafts]
+        chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
+        for later, position_ids, metadata in self._chain_forwards(drafts):
+            input_ids = chain[-1][None, : len(later.scheduled)]  # a prefix: drafts are sorted longest chain first
+            logits, rows = self._forward(later, input_ids, position_ids, metadata)
+            chain.append(self._pick(later, logits, rows).tokens)
+        return self._results(plan, first_row, picks, chain[1:])
+
+    def _chain_forwards(
+        self, drafts: Sequence[ScheduledRequest]
+    ) -> Iterator[tuple[StepPlan, torch.Tensor, AttentionMetadata]]:
+        """Plans, positions and metadata of the later forwards of the step's draft chains (forward j holds the
+        drafts whose chain is longer than j), built together: one slot-table write and one draft-list build
+        for all of them, then views per forward (a forward of its own costs the host tens of tensor ops)."""
+        longest = max((item.chain for item in drafts), default=1)
+        if longest == 1:
+            return
+        plans = [StepPlan([item.advanced(j) for item in drafts if item.chain > j]) for j in range(1, longest)]
+        flat = [item for later in plans for item in later.scheduled]
+        positions = [item.first_position for item in flat]
+        layout = self._tensor([positions, [item.request.slots[item.first_position] for item in flat]])
+        self.table.write([self.table.row(item.request) for item in flat], positions, layout[1])
+        lists, offsets = None, None
+        if not self.policy.selects_in_attention:
+            lists, offsets = self._policy_lists(flat)
+        counting = torch.arange(len(drafts) + 1, device=self.device)
+        no_verifies = KVView(counting[:1], counting[:0], 0)
+        start = 0
+        for later in plans:
+            items, end = later.scheduled, start + len(later.scheduled)
+            draft, draft_lists = {}, None
+            if lists is not None:
+                first, last = offsets[start], offsets[end]
+                indptr = lists.kv_indptr[start : end + 1] - first
+                max_len = max(b - a for a, b in itertools.pairwise(offsets[start : end + 1]))
+                draft_lists = lists.kv_indices[..., first:last]
+                draft = self._layer_views(KVView(indptr, draft_lists, max_len))
+            windowed = {
+                w: self._view(
+                    [self.table.row(i.request) for i in items],
+                    [max(0, i.first_position - w + 1) for i in items],
+                    [i.first_position + 1 for i in items],
+                )
+                for w in self.windows
+            }
+            metadata = AttentionMetadata(
+                slot_mapping=layout[1, start:end],
+                cu_seqlens_q=counting[: len(items) + 1],
+                windowed=windowed,
+                full=no_verifies,
+                num_drafts=len(items),
+                draft=draft,
+                draft_lists=draft_lists,
+                draft_select=self._draft_selector(items),
+                max_q_len=1,
+            )
+            yield later, layout[0, None, start:end], metadata
+            start = end
+
+    def _forward(
+        self, plan: StepPlan, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The fp32 logits of every row that samples, and each request's first row among them."""
         rows, first_row, end = [], [], 0
         for item in plan.scheduled:
             first_row.append(len(rows))
@@ -214,8 +291,7 @@ class Runner:
                     input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=self._tensor(rows)
                 )
             logits = output.logits[0]
-        self._learn_from_verify(plan, metadata)
-        return self._select(plan, logits.float(), first_row)
+        return logits.float(), first_row
 
     def _learn_from_verify(self, plan: StepPlan, metadata: AttentionMetadata) -> None:
         """Hand each verify's attention mass ``[layers, Hkv, context]`` (a view of one stacked tensor, on the
@@ -239,10 +315,11 @@ class Runner:
         if requests:
             self.policy.on_verifies(requests, stacked, spans, first_queries)
 
-    def _select(self, plan: StepPlan, logits: torch.Tensor, first_row: list[int]) -> list[StepResult]:
-        """Tokens from the logits rows of each request: draft samples, verified tokens (see speculative.py).
+    def _pick(self, plan: StepPlan, logits: torch.Tensor, first_row: list[int]) -> _Picks:
+        """Tokens from the logits rows of each request, on the device: draft samples, verified tokens (see
+        speculative.py).
 
-        Every random draw and every device-to-host transfer covers the whole step at once: per-request draws
+        Every random draw covers the whole forward at once, and nothing is read back here: per-request draws
         would cost a host round trip each, which for hundreds of requests costs more than the forward."""
         row_params, row_output_index = [], []
         for item in plan.scheduled:
@@ -250,7 +327,7 @@ class Runner:
                 continue
             request = item.request
             count = item.num_query_tokens if item.phase is Phase.VERIFY else 1
-            base = request.num_output_tokens + (len(request.round.tokens) if item.phase is Phase.DRAFT else 0)
+            base = request.num_output_tokens + (item.first_position - request.num_computed_tokens)
             row_params.extend([request.params] * count)
             row_output_index.extend(range(base, base + count))
         below_minimum = [
@@ -270,46 +347,66 @@ class Runner:
             draws = torch.multinomial(draft_probs, 1, generator=self.generator)
             tokens[[row for _, row in sampled_drafts]] = draws[:, 0]
             table_rows = [self.table.row(item.request) for item, _ in sampled_drafts]
-            self.draft_probs.write(
-                table_rows, [len(item.request.round.tokens) for item, _ in sampled_drafts], draft_probs
-            )
-        entropies = self._draft_entropies(logits, [row for _, row in drafts])
+            # A draft's index in its round: its position past the newest accepted token.
+            indices = [item.first_position - item.request.num_computed_tokens for item, _ in sampled_drafts]
+            self.draft_probs.write(table_rows, indices, draft_probs)
         verifies = [
             (item, row)
             for item, row in zip(plan.scheduled, first_row, strict=True)
             if item.samples and item.phase is not Phase.DRAFT and row in prob_index
         ]
-        sampled = self._accept_sampled(verifies, probs, prob_index) if verifies else {}
-        argmax = tokens.tolist()
+        accepted, next_token = self._accept_sampled(verifies, probs, prob_index) if verifies else (None, None)
+        return _Picks(
+            tokens=tokens,
+            entropies=self._draft_entropies(logits, [row for _, row in drafts]),
+            sampled_rows={row: i for i, (_, row) in enumerate(verifies)},
+            accepted=accepted,
+            next_token=next_token,
+        )
+
+    def _results(
+        self, plan: StepPlan, first_row: list[int], picks: _Picks, chain: list[torch.Tensor]
+    ) -> list[StepResult]:
+        """Each request's results, from one read-back of the step's picks. ``chain[j]`` holds the draft tokens of
+        the chain's forward j + 1 (a prefix of the step's draft requests)."""
+        parts = [picks.tokens, *chain]
+        if picks.accepted is not None:
+            parts += [picks.accepted, picks.next_token]
+        values = torch.cat(parts).tolist()
+        entropies = [] if picks.entropies is None else picks.entropies.tolist()
+        argmax, *rest = _split(values, [part.shape[0] for part in parts])
+        later, (accepted, next_token) = rest[: len(chain)], rest[len(chain) :] or ([], [])
         results = []
-        for item, row in zip(plan.scheduled, first_row, strict=True):
+        for index, (item, row) in enumerate(zip(plan.scheduled, first_row, strict=True)):
             if not item.samples:
                 results.append(StepResult())
             elif item.phase is Phase.DRAFT:
-                results.append(StepResult(draft_token=argmax[row], draft_entropy=entropies.get(row)))
+                tokens = [argmax[row], *(forward[index] for forward in later[: item.chain - 1])]
+                entropy = entropies[row] if entropies else None
+                results.append(StepResult(draft_tokens=tokens, draft_entropy=entropy))
             else:
                 drafts_made = item.request.round.tokens if item.phase is Phase.VERIFY else []
-                if row in sampled:
-                    accepted, next_token = sampled[row]
-                    tokens_out = [*drafts_made[:accepted], next_token]
+                if row in picks.sampled_rows:
+                    verify = picks.sampled_rows[row]
+                    tokens_out = [*drafts_made[: accepted[verify]], next_token[verify]]
+                    results.append(StepResult(tokens=tokens_out, num_accepted=accepted[verify]))
                 else:
-                    accepted, tokens_out = accept_greedy(argmax[row : row + len(drafts_made) + 1], drafts_made)
-                results.append(StepResult(tokens=tokens_out, num_accepted=accepted))
+                    num_accepted, tokens_out = accept_greedy(argmax[row : row + len(drafts_made) + 1], drafts_made)
+                    results.append(StepResult(tokens=tokens_out, num_accepted=num_accepted))
         return results
 
-    def _draft_entropies(self, logits: torch.Tensor, rows: list[int]) -> dict[int, float]:
-        """Predictive entropy of each draft row, for policies that steer the round length by it."""
+    def _draft_entropies(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """Predictive entropy of each draft row (``[rows]``), for policies that steer the round length by it."""
         if not rows or not self.policy.uses_draft_entropy:
-            return {}
+            return None
         log_probs = logits[rows].log_softmax(dim=-1)
-        entropy = -(log_probs.exp() * log_probs).nan_to_num().sum(dim=-1)
-        return dict(zip(rows, entropy.tolist(), strict=True))
+        return -(log_probs.exp() * log_probs).nan_to_num().sum(dim=-1)
 
     def _accept_sampled(
         self, verifies: list[tuple[ScheduledRequest, int]], probs: torch.Tensor, prob_index: dict[int, int]
-    ) -> dict[int, tuple[int, int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rejection sampling of every sampled verify (and final prefill chunk) of the step in one batch:
-        ``{first row: (accepted drafts, next token)}``. Sampled drafts' distributions come from the draft-probs
+        accepted drafts and next token of each, on the device. Sampled drafts' distributions come from the draft-probs
         store (written by their draft steps); proposed drafts (n-gram) count as point masses."""
         rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item, _ in verifies]
         n = max(len(tokens) for tokens in rounds)
@@ -327,6 +424,21 @@ class Runner:
             draft_probs = self.draft_probs.read(rows, num_drafts, n, probs.shape[-1])
         else:
             draft_probs = probs.new_zeros(len(rounds), 0, probs.shape[-1])
-        accepted, next_token = accept_sampled(target, drafts, draft_probs, num_drafts, self.generator)
-        pairs = zip(accepted.tolist(), next_token.tolist(), strict=True)
-        return {row: pair for (_, row), pair in zip(verifies, pairs, strict=True)}
+        return accept_sampled(target, drafts, draft_probs, num_drafts, self.generator)
+
+
+@dataclass
+class _Picks:
+    """A forward's token choices, still on the device (the step reads them back once, at its end)."""
+
+    tokens: torch.Tensor  # [rows]: each row's argmax, or its draw for a sampled draft
+    entropies: torch.Tensor | None  # [draft rows]: their entropy, for policies that steer by it
+    sampled_rows: dict[int, int]  # first row of each sampled verify -> its index in accepted / next_token
+    accepted: torch.Tensor | None  # [sampled verifies]: drafts kept
+    next_token: torch.Tensor | None  # [sampled verifies]: the corrected or bonus token
+
+
+def _split(values: list[int], sizes: Sequence[int]) -> list[list[int]]:
+    """Consecutive pieces of ``sizes`` items."""
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    return [values[start:end] for start, end in itertools.pairwise(bounds)]

@@ -3,6 +3,8 @@
 Phases: a request prefills its prompt in chunks, then repeats rounds of up to k *draft* steps (one token,
 sparse attention, or tokens proposed outright) and one *verify* step (the newest accepted token plus the
 drafts, full attention). A round without drafts is a plain decode step, so ``draft=None`` is the same loop.
+With ``draft_chain`` a request runs all of its round's draft steps within one engine step (the runner feeds
+each draft token to the next forward on the device), so a round costs the host two steps, not k + 1.
 
 Admission reserves a request's worst-case KV need (prompt + max_new_tokens + k draft slots), so a running
 request never runs out of slots and nothing is evicted or recomputed: requests that do not fit wait.
@@ -31,6 +33,9 @@ class ScheduledRequest:
     request: Request
     phase: Phase
     num_query_tokens: int
+    # Draft forwards the step runs for a draft request, back to back from ``first_position`` (a draft chain:
+    # each feeds the previous draft token on the device); 1 = one draft per step.
+    chain: int = 1
     # Read many times per step and fixed until the step is committed: computed once, when scheduled.
     first_position: int = field(init=False)  # of the first query token (drafts sit after the newest accepted)
     samples: bool = field(init=False)  # the step produces tokens for it (all but a prefill chunk short of the end)
@@ -43,6 +48,17 @@ class ScheduledRequest:
         self.samples = self.phase is not Phase.PREFILL or request.num_computed_tokens + self.num_query_tokens == len(
             request.token_ids
         )
+
+    @property
+    def end_position(self) -> int:
+        """One past the last position this step computes for the request (its slots must exist)."""
+        return self.first_position + self.num_query_tokens + self.chain - 1
+
+    def advanced(self, steps: int) -> ScheduledRequest:
+        """This draft request ``steps`` forwards further along its chain."""
+        item = ScheduledRequest(self.request, self.phase, self.num_query_tokens, self.chain - steps)
+        item.first_position += steps
+        return item
 
     def query_token_ids(self) -> list[int]:
         request = self.request
@@ -74,7 +90,7 @@ class StepResult:
 
     tokens: list[int] = field(default_factory=list)  # verify/prefill: accepted drafts + one new token
     num_accepted: int = 0  # drafts accepted (verify)
-    draft_token: int | None = None  # draft step: the drafted token
+    draft_tokens: list[int] = field(default_factory=list)  # draft step: the drafted token(s), one per forward
     draft_entropy: float | None = None  # draft step: entropy of the draft's distribution (if the policy asks)
 
 
@@ -82,9 +98,16 @@ class Scheduler:
     """FIFO admission under batch-size and KV limits, chunked prefill, speculation rounds."""
 
     def __init__(
-        self, allocator: SlotAllocator, max_batch_size: int, max_step_tokens: int, policy: DraftPolicy | None, k: int
+        self,
+        allocator: SlotAllocator,
+        max_batch_size: int,
+        max_step_tokens: int,
+        policy: DraftPolicy | None,
+        k: int,
+        draft_chain: bool = False,
     ) -> None:
         self.allocator = allocator
+        self.draft_chain = draft_chain  # a request drafts its whole round in one step
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens
         self.policy = policy
@@ -118,11 +141,12 @@ class Scheduler:
             elif item.num_query_tokens > budget and scheduled:
                 break
             budget = max(0, budget - item.num_query_tokens)
-            missing = item.first_position + item.num_query_tokens - len(request.slots)  # slots up to the last query
+            missing = item.end_position - len(request.slots)  # slots up to the last position computed
             if missing > 0:
                 request.slots.extend(self.allocator.allocate(missing))
             scheduled.append(item)
-        scheduled.sort(key=lambda item: item.phase is not Phase.DRAFT)
+        # Drafts first, longest chain first: a chain's later forwards then hold a prefix of the step's drafts.
+        scheduled.sort(key=lambda item: (item.phase is not Phase.DRAFT, -item.chain))
         return StepPlan(scheduled)
 
     def _next_step(self, request: Request) -> ScheduledRequest:
@@ -132,7 +156,8 @@ class Scheduler:
         if current.length is None:
             self._start_round(request)
         if len(current.tokens) < current.length:
-            return ScheduledRequest(request, Phase.DRAFT, 1)
+            chain = current.length - len(current.tokens) if self.draft_chain else 1
+            return ScheduledRequest(request, Phase.DRAFT, 1, chain)
         return ScheduledRequest(request, Phase.VERIFY, 1 + len(current.tokens))
 
     def _start_round(self, request: Request) -> None:
@@ -165,7 +190,7 @@ class Scheduler:
             request = item.request
             if item.phase is Phase.DRAFT:
                 current = request.round
-                current.tokens.append(result.draft_token)
+                current.tokens.extend(result.draft_tokens)
                 if result.draft_entropy is not None:
                     current.entropies.append(result.draft_entropy)
                 if not self.policy.continue_drafting(request):

@@ -123,6 +123,8 @@ class Recorder:
     step_tokens: list[int] = field(default_factory=list)
     step_requests: list[set[int]] = field(default_factory=list)
     mixed_steps: int = 0  # steps holding a prefill chunk next to a draft or verify
+    # Each draft request of each step: (draft forwards chained, drafts its round held before, round length).
+    draft_items: list[tuple[int, int, int]] = field(default_factory=list)
 
     @classmethod
     def attach(cls, wrapped: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
@@ -140,6 +142,9 @@ class Recorder:
             phases = {item.phase for item in plan.scheduled}
             recorder.mixed_steps += Phase.PREFILL in phases and len(phases) > 1
             for (item, first_position, drafts, samples), result in zip(before, results, strict=True):
+                if item.phase is Phase.DRAFT:
+                    recorder.draft_items.append((item.chain, len(drafts), item.request.round.length))
+                    assert len(result.draft_tokens) == item.chain
                 if item.phase is Phase.VERIFY:
                     assert item.num_query_tokens == 1 + len(drafts)
                     recorder.verifies.append(
@@ -373,6 +378,38 @@ def test_rounds_are_cut_to_the_tokens_still_allowed(policy, max_new_tokens, base
     elif policy == "pillar":  # 6 and 7 tokens: one round of 4 exact drafts per request (7: then one plain step)
         assert stats.num_accepted_tokens == stats.num_draft_tokens == 4 * len(BATCH.lengths)
         assert sum(not v.drafts for v in recorder.verifies) == (max_new_tokens - 6) * len(BATCH.lengths)
+
+
+@pytest.mark.parametrize("policy", ["pillar_recent", "streaming", "pillar_quest"])
+def test_draft_chain_drafts_a_round_in_one_step(policy, baseline, monkeypatch):
+    """With draft chains (the default) every draft request drafts its whole round within one step, its later
+    forwards fed the earlier drafts on the device; with ``draft_chain=False`` one draft per step. Both give
+    draft=None's tokens and the same rounds, and the chain takes fewer steps."""
+    expected = baseline(GQA, BATCH)
+    steps, histograms = {}, {}
+    for chain in (True, False):
+        wrapped, recorder = _wrap(GQA, monkeypatch, draft=policy, k=4, draft_chain=chain, **MEDIUM)
+        assert wrapped.engine.draft_chain is chain
+        actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        _rows_equal(expected, actual, f"{policy} draft_chain={chain}")
+        check_bookkeeping(wrapped, recorder)
+        check_rounds_happened(wrapped, recorder)
+        if chain:  # a whole round at once, from its start
+            assert all(made == 0 and forwards == length for forwards, made, length in recorder.draft_items)
+            assert any(forwards > 1 for forwards, _, _ in recorder.draft_items), "no chain had two drafts"
+        else:
+            assert all(forwards == 1 for forwards, _, _ in recorder.draft_items)
+        steps[chain], histograms[chain] = len(recorder.step_tokens), wrapped.last_stats.accepted_histogram
+    assert histograms[True] == histograms[False]
+    assert steps[True] < steps[False]
+
+
+def test_draft_chain_is_refused_for_a_policy_that_decides_between_drafts(tiny_model):
+    """sparsespec_l ends a round by each draft's entropy, read on the host after every draft step: it runs one
+    draft per step by default, and ``draft_chain=True`` names why it cannot."""
+    assert not sparsespec.wrap(tiny_model, draft="sparsespec_l").engine.draft_chain
+    with pytest.raises(ValueError, match=r"draft_chain=True cannot run draft='sparsespec_l': it decides after"):
+        sparsespec.wrap(tiny_model, draft="sparsespec_l", draft_chain=True)
 
 
 # -- schedules: chunked prefill, batch limit, KV capacity, with generate_batch ---------------------------------
@@ -842,6 +879,7 @@ BAD_OPTIONS = [
     pytest.param({"draft": "Pillar"}, r"unknown draft policy 'Pillar'; choose one of \[", id="draft=Pillar"),
     pytest.param({"draft": ""}, r"unknown draft policy ''", id="draft=empty"),
     pytest.param({"draft": 1}, r"unknown draft policy 1", id="draft=1"),
+    pytest.param({"draft_chain": "yes"}, r"draft_chain must be None, True or False", id="draft_chain=str"),
 ]
 
 

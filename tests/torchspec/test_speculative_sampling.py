@@ -314,11 +314,14 @@ def exact_joint(sampling: str, prompt: tuple[int, ...] = tuple(PROMPT), banned_b
     return joint
 
 
-def _wrap(draft: str | None, num_samples: int, prompt: Sequence[int], max_new_tokens: int):
+def _wrap(
+    draft: str | None, num_samples: int, prompt: Sequence[int], max_new_tokens: int, draft_chain: bool | None = None
+):
     """A fresh model wrapped so all samples are one batch: prefill in one step, decode in lockstep."""
     return sparsespec.wrap(
         SPEC.build(),
         draft=draft,
+        draft_chain=draft_chain,
         k=K,
         min_budget=4,  # pillar drafts attend to 1 Top-K position + those since the verify: far from the target
         sparsity=0.05,
@@ -338,13 +341,14 @@ def generate(wrapped: Any, seed: int, prompt: Sequence[int], num_samples: int, m
 
 
 @functools.cache
-def sampled_tokens(draft: str | None, sampling: str) -> tuple[torch.Tensor, Any]:
+def sampled_tokens(draft: str | None, sampling: str, draft_chain: bool | None = None) -> tuple[torch.Tensor, Any]:
     """``[NUM_SAMPLES, NEW_TOKENS]`` tokens sampled by the engine from PROMPT, and the run's stats.
 
-    Each draft policy gets its own seed, so the samples of different policies are independent.
+    Each draft setting gets its own seed, so the samples of different settings are independent.
     """
-    seed = {None: 0, "pillar": 1, "ngram": 2}[draft]
-    wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS)
+    seed = {(None, None): 0, ("pillar", None): 1, ("ngram", None): 2, ("pillar", False): 3}[draft, draft_chain]
+    wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS, draft_chain)
+    assert wrapped.engine.draft_chain is (draft == "pillar" and draft_chain is None)
     outputs = generate(wrapped, seed, PROMPT, NUM_SAMPLES, NEW_TOKENS, **SAMPLING[sampling])
     stats = wrapped.last_stats
     assert all(len(o.token_ids) == NEW_TOKENS and o.finish_reason == "length" for o in outputs)
@@ -383,17 +387,22 @@ def test_plain_sampling_matches_the_exact_distribution(sampling):
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
-@pytest.mark.parametrize("draft", ["pillar", "ngram"])
-def test_speculative_sampling_is_lossless(draft, sampling):
+@pytest.mark.parametrize(
+    ("draft", "draft_chain"),
+    [("pillar", None), ("pillar", False), ("ngram", None)],
+    ids=["pillar", "pillar-stepwise", "ngram"],
+)
+def test_speculative_sampling_is_lossless(draft, draft_chain, sampling):
     """Speculative decoding samples exactly the target distribution: 1200 samples of the first 4 tokens from one
     prompt (token 1 from the prefill, tokens 2-3 drafted and verified, token 4 a bonus or a new round), each
     token and each adjacent pair against the exact distribution, and tokens 1 and 1-2 against draft=None samples
-    (two-sample chi-square). Bonferroni over the 9 comparisons.
+    (two-sample chi-square). Bonferroni over the 9 comparisons. PillarAttn runs both ways: a round's drafts
+    chained in one step (sampled on the device, each fed to the next forward) and one draft per step.
 
     The rejection rate must be strictly between 0 and 1 (pillar with min_budget=4 attends to ~4 of 12+
     positions; n-gram proposals come from the prompt's repeats), else acceptance or rejection goes untested.
     """
-    tokens, stats = sampled_tokens(draft, sampling)
+    tokens, stats = sampled_tokens(draft, sampling, draft_chain)
     plain, _ = sampled_tokens(None, sampling)
     rejection_rate = 1 - stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
     assert stats.num_rounds >= NUM_SAMPLES // 2, f"only {stats.num_rounds} speculation rounds"
@@ -402,7 +411,10 @@ def test_speculative_sampling_is_lossless(draft, sampling):
     p_values = _p_values_against_exact(counts, exact_joint(sampling))
     p_values["t1 vs draft=None"] = two_sample(counts.sum((1, 2, 3)), plain_counts.sum((1, 2, 3)))
     p_values["t1t2 vs draft=None"] = two_sample(counts.sum((2, 3)), plain_counts.sum((2, 3)))
-    assert_p_values(p_values, f"{draft} {sampling} ({stats.num_rounds} rounds, rejection rate {rejection_rate:.3f})")
+    assert_p_values(
+        p_values,
+        f"{draft} chain={draft_chain} {sampling} ({stats.num_rounds} rounds, rejection rate {rejection_rate:.3f})",
+    )
 
 
 # -- min_new_tokens and EOS --------------------------------------------------------------------------------------

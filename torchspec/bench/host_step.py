@@ -1,6 +1,6 @@
 """Host time of an engine step on its own: the decoding forward replaced by random logits.
 
-    python -m torchspec.bench.host_step --batch 256 --drafts none pillar_recent --out host.jsonl
+    python -m torchspec.bench.host_step --batch 256 --drafts none pillar_recent --draft-chain auto off --out host.jsonl
 
 With CUDA graphs the GPU forward of a decoding step is one replay, so what remains of a step is host work:
 scheduling, slot lists, token selection, speculation bookkeeping. This measures that floor on any machine (no
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import random
 import statistics
 import time
 
@@ -31,6 +32,7 @@ from torchspec.request import SamplingParams
 from torchspec.scheduler import Phase
 
 VOCAB_SIZE = 512
+CHAIN_SETTINGS = {"auto": None, "off": False}  # --draft-chain: the engine's default, or one draft per step
 
 
 def _tiny_model(seed: int) -> torch.nn.Module:
@@ -63,10 +65,21 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def measure(batch: int, prompt_len: int, new_tokens: int, draft: str | None, temperature: float, seed: int = 0) -> dict:
-    """Median host time of a full-batch decoding step of ``batch`` requests (forward replaced)."""
+def measure(
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    draft: str | None,
+    temperature: float,
+    draft_chain: bool | None = None,
+    seed: int = 0,
+) -> dict:
+    """Median host time of a full-batch decoding step of ``batch`` requests (forward replaced), and the host
+    time per token those steps emitted (a chained step drafts a whole round: longer, and fewer of them)."""
     model = _tiny_model(seed)
-    wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=batch, cuda_graphs=True, min_budget=16)
+    wrapped = sparsespec.wrap(
+        model, draft=draft, max_batch_size=batch, cuda_graphs=True, min_budget=16, draft_chain=draft_chain
+    )
     engine = wrapped.engine
     graphs = engine.runner.graphs
     sparse_layers = engine.policy.sparse_layers if engine.policy is not None else []
@@ -101,12 +114,17 @@ def measure(batch: int, prompt_len: int, new_tokens: int, draft: str | None, tem
         for i in range(batch)
     ]
     step_times: list[float] = []
+    step_tokens: list[int] = []
     op_counts: list[int] = []
     counter = _OpCounter()
     steps = iter(engine.steps(requests))
-    for index in tqdm(itertools.count(), desc=f"host steps ({draft})", unit="step"):
-        counting = index % 2 == 1  # odd steps count ops (the count slows them), even steps are timed
+    # Half the steps count ops (the count slows them), the others are timed: chosen at random, because chained
+    # drafts and verifies can alternate step by step and a fixed alternation would time only one kind.
+    coin = random.Random(seed)
+    for _ in tqdm(itertools.count(), desc=f"host steps ({draft})", unit="step"):
+        counting = coin.random() < 0.5
         counter.count = 0
+        emitted = sum(request.num_output_tokens for request in requests)
         start = time.perf_counter()
         with counter if counting else contextlib.nullcontext():
             plan, _ = next(steps, (None, None))
@@ -115,13 +133,19 @@ def measure(batch: int, prompt_len: int, new_tokens: int, draft: str | None, tem
             break
         decoding = all(item.phase is not Phase.PREFILL for item in plan.scheduled)
         if decoding and len(plan.scheduled) == batch:
-            (op_counts if counting else step_times).append(counter.count if counting else elapsed)
+            if counting:
+                op_counts.append(counter.count)
+            else:
+                step_times.append(elapsed)
+                step_tokens.append(sum(request.num_output_tokens for request in requests) - emitted)
     stats = engine.stats_for(requests)
     return {
         "draft": draft,
         "batch": batch,
         "steps_timed": len(step_times),
+        "draft_chain": engine.draft_chain,
         "host_ms_per_step": 1e3 * statistics.median(step_times),
+        "host_us_per_token": 1e6 * sum(step_times) / max(sum(step_tokens), 1),
         "ops_per_step": statistics.median(op_counts),  # tensor ops dispatched (each a launch or more on a GPU)
         "tokens_per_step": stats.generated_tokens / max(stats.steps, 1),
         "rounds": stats.num_rounds,
@@ -137,15 +161,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.65)
     parser.add_argument("--drafts", nargs="+", default=["none", "pillar_recent"], choices=["none", *DRAFT_POLICIES])
+    parser.add_argument(
+        "--draft-chain", nargs="+", default=["auto"], choices=list(CHAIN_SETTINGS), help="draft_chain settings to run"
+    )
     parser.add_argument("--out", help="append one JSON line per draft setting")
     args = parser.parse_args(argv)
-    for draft in args.drafts:
+    for draft, chain in itertools.product(args.drafts, args.draft_chain):
+        if draft == "none" and chain != "auto":
+            continue  # plain decoding has no drafts to chain
         record = measure(
-            args.batch, args.prompt_len, args.new_tokens, None if draft == "none" else draft, args.temperature
+            args.batch,
+            args.prompt_len,
+            args.new_tokens,
+            None if draft == "none" else draft,
+            args.temperature,
+            CHAIN_SETTINGS[chain],
         )
         print(
-            f"draft={draft}: {record['host_ms_per_step']:.2f} ms of host time and {record['ops_per_step']:.0f} "
-            f"tensor ops per step at batch {args.batch}"
+            f"draft={draft} draft_chain={record['draft_chain']}: {record['host_ms_per_step']:.2f} ms of host time "
+            f"and {record['ops_per_step']:.0f} tensor ops per step, {record['host_us_per_token']:.0f} us per "
+            f"token, at batch {args.batch}"
         )
         append_record(args.out, record)
 

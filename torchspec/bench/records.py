@@ -24,11 +24,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model forward")
     parser.add_argument("--cuda-graphs", action="store_true", help="replay decoding steps from CUDA graphs")
     parser.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention op set")
+    parser.add_argument("--no-draft-chain", action="store_true", help="one draft per engine step (draft_chain=False)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, bool | str | None]:
     """``wrap()`` options from :func:`add_engine_arguments` (None = the engine's default)."""
     options = {"compile": args.compile or None, "cuda_graphs": args.cuda_graphs or None}
+    if args.no_draft_chain:
+        options["draft_chain"] = False
     if args.attention_backend != "auto":
         options["attention_backend"] = args.attention_backend
     return options
