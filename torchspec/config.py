@@ -45,14 +45,17 @@ class SpecConfig:
             them (most attention mass kept) instead of the same number per head.
         max_batch_size: most requests decoded together.
         kv_capacity_tokens: KV slots in the pool; ``None`` sizes the pool from free device memory.
-        max_step_tokens: most query tokens in one forward step (bounds prefill chunks).
+        max_step_tokens: most query tokens in one forward step (bounds prefill chunks); ``None`` = 2048, or
+            a whole batch of verifies (``max_batch_size * (k + 1)``) where that is more, so every request of a
+            full batch can verify in the same step.
         offload: offload KV of waiting requests to host memory when the pool is full (not in this release:
             ``True`` is refused).
         delayed_verify: let verify requests sit out one step so host bookkeeping overlaps the GPU (not in
             this release: ``True`` is refused).
-        unified_schedule: drafts and verifies of different requests share every step's batch and attention
-            launch (the only schedule: ``False`` is refused). Balancing requests over k + 1 phase buckets at
-            admission is not implemented yet: requests prefilled in the same step stay in phase.
+        unified_schedule: drafts and verifies of different requests may share a step's batch and attention
+            launch (the only schedule: ``False`` is refused). With draft chains requests are kept in phase
+            instead (they chain and verify in turns, see ``draft_chain``); without, requests prefilled in the
+            same step stay in phase and the others mix.
         compile: ``torch.compile`` the model forward (attention stays one opaque custom op per layer);
             ``None`` = off: with graphs it cuts a SmolLM2 decode step from 12.6 to 9.8 ms (256 x 4K on the
             H200; its GPU time from 8.9 to 7.1 ms), but compiling costs the first steps tens of seconds (a
@@ -64,7 +67,9 @@ class SpecConfig:
             attention backend (it reads the lists on the host, which a capture cannot hold).
         draft_chain: run each request's draft steps of a round back to back within one engine step, each
             forward fed the previous draft token on the device, so the host schedules and reads results twice
-            per round (drafts, verify) instead of k + 1 times. Same tokens as one draft per step (greedy) and
+            per round (drafts, verify) instead of k + 1 times, and queues a round's draft forwards without
+            waiting for the GPU in between. Requests chain and verify in turns (a request out of phase waits
+            one step), so each forward holds the whole batch. Same tokens as one draft per step (greedy) and
             the same distribution (sampling). ``None`` = on, except for policies that decide after each draft
             whether to draft another (``sparsespec_l``: by its entropy, read on the host).
         attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device),
@@ -83,7 +88,7 @@ class SpecConfig:
     head_budgets: bool = False
     max_batch_size: int = 256
     kv_capacity_tokens: int | None = None
-    max_step_tokens: int = 2048
+    max_step_tokens: int | None = None
     offload: bool = False
     delayed_verify: bool = False
     unified_schedule: bool = True
@@ -116,8 +121,8 @@ class SpecConfig:
             f"kv_capacity_tokens must be None or an integer >= 1, got {self.kv_capacity_tokens!r}",
         )
         _require(
-            _is_int(self.max_step_tokens) and self.max_step_tokens >= 1,
-            f"max_step_tokens must be an integer >= 1, got {self.max_step_tokens!r}",
+            self.max_step_tokens is None or (_is_int(self.max_step_tokens) and self.max_step_tokens >= 1),
+            f"max_step_tokens must be None or an integer >= 1, got {self.max_step_tokens!r}",
         )
         _require(
             self.attention_backend in BACKENDS,

@@ -26,6 +26,7 @@ import torch
 
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 from torchspec.kv_cache import KVPool
+from torchspec.transfer import to_device
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -195,7 +196,7 @@ class StepGraphs:
         static.slot_mapping[padded_drafts : padded_drafts + verify_tokens] = metadata.slot_mapping[drafts:]
         shift = padded_drafts - drafts
         step.rows.zero_()
-        step.rows[: len(rows)] = torch.tensor([row if row < drafts else row + shift for row in rows])
+        step.rows[: len(rows)] = to_device([row if row < drafts else row + shift for row in rows], self.device)
         if drafts:
             lists = metadata.draft[self.first_sparse]
             _copy_padded(static.draft[self.first_sparse].kv_indptr, lists.kv_indptr)

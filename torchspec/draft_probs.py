@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from torchspec.transfer import to_device
+
 
 class DraftProbsStore:
     """``[rows, k, V]`` fp32 on the device, grown on demand (rows double, like the slot table)."""
@@ -27,14 +29,14 @@ class DraftProbsStore:
         if not rows:
             return
         self._reserve(max(rows) + 1, probs.shape[-1])
-        index = torch.tensor([rows, draft_indices], dtype=torch.int64).to(self.device, non_blocking=True)
+        index = to_device([rows, draft_indices], self.device)
         self.probs[index[0], index[1]] = probs
 
     def read(self, rows: Sequence[int], num_drafts: torch.Tensor, width: int, vocab_size: int) -> torch.Tensor:
         """``[J, width, V]``: the first ``num_drafts[j]`` drafts of row ``rows[j]``, zeros past them (a verify
         without drafts, e.g. a final prompt chunk, may sit in a row no draft step wrote yet)."""
         self._reserve(max(rows) + 1, vocab_size)
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        index = to_device(rows, self.device)
         stored = self.probs[index, :width]
         present = torch.arange(width, device=self.device) < num_drafts[:, None]
         return torch.where(present[..., None], stored, 0.0)

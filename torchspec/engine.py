@@ -18,6 +18,7 @@ from torchspec.scheduler import Scheduler, StepPlan
 from torchspec.stats import GenerationStats, accepted_histogram
 
 StepCallback = Callable[[StepPlan, list[Request]], None]
+DEFAULT_STEP_TOKENS = 2048  # query tokens per step unless a full batch of verifies needs more
 
 
 def use_cuda_graphs(setting: bool | None, device: torch.device, ops: object) -> bool:
@@ -85,6 +86,9 @@ class Engine:
         )
         self.num_draft_slots = self.runner.num_draft_slots
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy)
+        self.max_step_tokens = config.max_step_tokens or max(
+            DEFAULT_STEP_TOKENS, config.max_batch_size * (self.num_draft_slots + 1)
+        )
         self._run_start = time.perf_counter()
         self._run_steps = 0
 
@@ -127,7 +131,7 @@ class Engine:
         scheduler = Scheduler(
             self.pool.allocator,
             self.config.max_batch_size,
-            self.config.max_step_tokens,
+            self.max_step_tokens,
             self.policy,
             self.config.k,
             self.draft_chain,

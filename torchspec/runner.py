@@ -18,6 +18,7 @@ from torchspec.sampling import suppress_stop_tokens, warped_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.slot_table import SlotTable
 from torchspec.speculative import accept_greedy, accept_sampled
+from torchspec.transfer import row_index, to_device
 
 
 class Runner:
@@ -57,7 +58,7 @@ class Runner:
             self.graphs = StepGraphs(self.forward, pool, ops, sparse, verify_tokens, scores, max_batch_size, device)
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return to_device(values, self.device)
 
     def build_metadata(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of the packed batch, built once for all layers.
@@ -338,14 +339,17 @@ class Runner:
         suppress_stop_tokens(logits, below_minimum, [row_params[row].stop_token_ids for row in below_minimum])
         sampled_rows = [row for row, params in enumerate(row_params) if not params.greedy]
         prob_index = {row: i for i, row in enumerate(sampled_rows)}
-        probs = warped_probs(logits[sampled_rows], [row_params[row] for row in sampled_rows]) if sampled_rows else None
+        probs = None
+        if sampled_rows:
+            sampled = logits[row_index(sampled_rows, self.device)]
+            probs = warped_probs(sampled, [row_params[row] for row in sampled_rows])
         tokens = logits.argmax(dim=-1)
         drafts = [(item, row) for item, row in zip(plan.scheduled, first_row, strict=True) if item.phase is Phase.DRAFT]
         sampled_drafts = [(item, row) for item, row in drafts if row in prob_index]
         if sampled_drafts:
-            draft_probs = probs[[prob_index[row] for _, row in sampled_drafts]]
+            draft_probs = probs[row_index([prob_index[row] for _, row in sampled_drafts], self.device)]
             draws = torch.multinomial(draft_probs, 1, generator=self.generator)
-            tokens[[row for _, row in sampled_drafts]] = draws[:, 0]
+            tokens[row_index([row for _, row in sampled_drafts], self.device)] = draws[:, 0]
             table_rows = [self.table.row(item.request) for item, _ in sampled_drafts]
             # A draft's index in its round: its position past the newest accepted token.
             indices = [item.first_position - item.request.num_computed_tokens for item, _ in sampled_drafts]
@@ -399,7 +403,7 @@ class Runner:
         """Predictive entropy of each draft row (``[rows]``), for policies that steer the round length by it."""
         if not rows or not self.policy.uses_draft_entropy:
             return None
-        log_probs = logits[rows].log_softmax(dim=-1)
+        log_probs = logits[row_index(rows, self.device)].log_softmax(dim=-1)
         return -(log_probs.exp() * log_probs).nan_to_num().sum(dim=-1)
 
     def _accept_sampled(

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from torchspec.request import SamplingParams
+from torchspec.transfer import row_index, to_device
 
 
 def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[int], stop_token_ids: Sequence[Sequence[int]]) -> None:
@@ -14,8 +15,8 @@ def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[int], stop_token_i
     One indexed write for all rows (a write per row costs a launch each: milliseconds for a large batch)."""
     pairs = [(row, token) for row, stops in zip(rows, stop_token_ids, strict=True) for token in stops]
     if pairs:
-        row_index, token_index = zip(*pairs, strict=True)
-        logits[list(row_index), list(token_index)] = float("-inf")
+        row_indices, token_indices = to_device(list(zip(*pairs, strict=True)), logits.device)
+        logits[row_indices, token_indices] = float("-inf")
 
 
 def warp_logits(
@@ -49,7 +50,7 @@ def warp_logits(
 
 def warped_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Softmax of transformers-warped logits, one parameter set per row (``logits`` ``[R, V]`` fp32)."""
-    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device)  # noqa: E731
+    as_tensor = lambda values, dtype: to_device(values, logits.device, dtype)  # noqa: E731
     warped = warp_logits(
         logits,
         as_tensor([p.temperature for p in params], torch.float32),
@@ -68,7 +69,7 @@ def sample_tokens(
     tokens = logits.argmax(dim=-1)
     sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
     if sampled_rows:
-        probs = warped_probs(logits[sampled_rows], [params[row] for row in sampled_rows])
-        rows = torch.tensor(sampled_rows, device=logits.device)
+        rows = row_index(sampled_rows, logits.device)
+        probs = warped_probs(logits[rows], [params[row] for row in sampled_rows])
         tokens[rows] = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
     return tokens

@@ -115,6 +115,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._reserved_slots = 0
+        self._waited: set[int] = set()  # ids of the requests that sat out the last step (see _take_turns)
 
     def add(self, request: Request) -> None:
         """Queue a request; it must fit the pool on its own (the caller checks, with a clear error)."""
@@ -129,11 +130,13 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Draft and verify steps first (one per decoding request), then prefill chunks within the budget."""
         self._admit()
+        decoding = [(request, self._next_step(request)) for request in self.running if request.decoding]
+        if self.draft_chain:
+            decoding = self._take_turns(decoding)
+        prefilling = [(request, None) for request in self.running if not request.decoding]
         budget = self.max_step_tokens
         scheduled: list[ScheduledRequest] = []
-        flags = [(request, request.decoding) for request in self.running]
-        for request, decodes in sorted(flags, key=lambda entry: not entry[1]):  # decoding first, order kept
-            item = self._next_step(request) if decodes else None
+        for request, item in [*decoding, *prefilling]:  # decoding first, order kept
             if item is None:
                 if budget == 0:
                     break
@@ -148,6 +151,22 @@ class Scheduler:
         # Drafts first, longest chain first: a chain's later forwards then hold a prefix of the step's drafts.
         scheduled.sort(key=lambda item: (item.phase is not Phase.DRAFT, -item.chain))
         return StepPlan(scheduled)
+
+    def _take_turns(self, decoding: list[tuple[Request, ScheduledRequest]]) -> list[tuple[Request, ScheduledRequest]]:
+        """Chains and verifies take turns: in a step where at least half the decoding requests verify, a request
+        ready to chain waits (never two steps in a row), so it then chains with the others. Requests finish
+        their prompts at different steps; left out of phase, the chain forwards after a step's first would
+        each hold only part of the batch, and the GPU would run more, smaller forwards per round."""
+        verifies = sum(item.phase is not Phase.DRAFT for _, item in decoding)
+        waiting = set()
+        if 2 * verifies >= len(decoding):
+            waiting = {
+                id(request)
+                for request, item in decoding
+                if item.phase is Phase.DRAFT and id(request) not in self._waited
+            }
+        self._waited = waiting
+        return [(request, item) for request, item in decoding if id(request) not in waiting]
 
     def _next_step(self, request: Request) -> ScheduledRequest:
         if self.policy is None:  # plain decoding: every step is a one-token verify, rounds never start

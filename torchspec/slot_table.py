@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from torchspec.request import Request
+from torchspec.transfer import to_device
 
 
 class SlotTable:
@@ -60,7 +61,7 @@ class SlotTable:
         needed = max(positions) + 1
         if needed > self.slots.shape[1]:
             self._grow(rows=self.slots.shape[0], width=max(needed, 2 * self.slots.shape[1], 256))
-        index = torch.tensor([rows, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        index = to_device([rows, positions], self.device)
         self.slots[index[0], index[1]] = slots
 
     def gather(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> tuple[list[int], torch.Tensor]:
@@ -71,7 +72,7 @@ class SlotTable:
         total = indptr[-1]
         if total == 0:
             return indptr, torch.zeros(0, dtype=torch.int64, device=self.device)
-        meta = torch.tensor([rows, starts, indptr[:-1], lengths], dtype=torch.int64).to(self.device, non_blocking=True)
+        meta = to_device([rows, starts, indptr[:-1], lengths], self.device)
         row, start, offset, length = meta
         entry = torch.repeat_interleave(torch.arange(len(rows), device=self.device), length, output_size=total)
         positions = torch.arange(total, device=self.device) - offset[entry] + start[entry]

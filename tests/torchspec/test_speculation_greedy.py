@@ -123,6 +123,7 @@ class Recorder:
     step_tokens: list[int] = field(default_factory=list)
     step_requests: list[set[int]] = field(default_factory=list)
     mixed_steps: int = 0  # steps holding a prefill chunk next to a draft or verify
+    step_phases: list[set[Phase]] = field(default_factory=list)
     # Each draft request of each step: (draft forwards chained, drafts its round held before, round length).
     draft_items: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -140,6 +141,7 @@ class Recorder:
             recorder.step_tokens.append(plan.num_tokens)
             recorder.step_requests.append({item.request.request_id for item in plan.scheduled})
             phases = {item.phase for item in plan.scheduled}
+            recorder.step_phases.append(phases)
             recorder.mixed_steps += Phase.PREFILL in phases and len(phases) > 1
             for (item, first_position, drafts, samples), result in zip(before, results, strict=True):
                 if item.phase is Phase.DRAFT:
@@ -402,6 +404,23 @@ def test_draft_chain_drafts_a_round_in_one_step(policy, baseline, monkeypatch):
         steps[chain], histograms[chain] = len(recorder.step_tokens), wrapped.last_stats.accepted_histogram
     assert histograms[True] == histograms[False]
     assert steps[True] < steps[False]
+
+
+def test_draft_chains_bring_requests_into_phase(baseline, monkeypatch):
+    """Prompts prefilled 64 tokens a step finish at different steps; with draft chains a request out of phase
+    waits one step, so once every prompt is in, a step chains or verifies, not both (a mixed step would run
+    its later chain forwards with part of the batch), except where a round near the length limit drafts
+    nothing. Tokens stay draft=None's. (Without the turns, 20 of these steps mix.)"""
+    expected = generated_rows(baseline(GQA, BATCH), BATCH)
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft="pillar_recent", k=4, max_step_tokens=64, **MEDIUM)
+    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    assert [o.token_ids for o in outputs] == expected
+    check_bookkeeping(wrapped, recorder)
+    last_prefill = max(i for i, phases in enumerate(recorder.step_phases) if Phase.PREFILL in phases)
+    assert len({len(r) for r in recorder.step_requests[: last_prefill + 1]}) > 1, "prompts finished together"
+    mixed = [i for i, phases in enumerate(recorder.step_phases) if {Phase.DRAFT, Phase.VERIFY} <= phases]
+    assert len([i for i in mixed if i > last_prefill + 2]) <= 1, (last_prefill, mixed)
+    assert len(recorder.step_phases) > last_prefill + 8, "too few steps after the prompts to tell"
 
 
 def test_draft_chain_is_refused_for_a_policy_that_decides_between_drafts(tiny_model):

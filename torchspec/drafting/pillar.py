@@ -11,6 +11,7 @@ from torchspec.config import SpecConfig
 from torchspec.drafting.base import DraftPolicy
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
+from torchspec.transfer import to_device
 
 MAX_SCORE_ELEMENTS = 1 << 26  # padded candidate scores of one batched Top-K (256 MiB of fp32); larger: chunks
 
@@ -87,7 +88,7 @@ class PillarPolicy(DraftPolicy):
                 picks = _head_budget_picks(mass[..., bound + sink : bound + old], count)
                 self._store(request, _expand_successors(torch.where(picks >= 0, picks + sink, -1), span, old), sink)
             return
-        meta = torch.tensor([bounds, sinks, older, counts], dtype=torch.int64, device=device)
+        meta = to_device([bounds, sinks, older, counts], device)
         bound, sink, old, count = (column[:, None] for column in meta)  # [J, 1]
         width = max(o - s for o, s in zip(older, sinks, strict=True))
         offsets = torch.arange(width, device=device)
