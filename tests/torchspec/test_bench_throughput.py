@@ -7,7 +7,7 @@ import torch
 
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
-from torchspec.bench import decode_step, host_step
+from torchspec.bench import decode_step, host_step, step_profile
 from torchspec.bench.throughput import measure
 from torchspec.kv_cache import bytes_per_token
 
@@ -76,3 +76,17 @@ def test_host_step_times_decoding_steps_without_a_forward():
     assert speculative["steps_timed"] >= 8 and speculative["host_ms_per_step"] > 0
     assert speculative["ops_per_step"] > 0
     assert speculative["rounds"] > 0 and plain["rounds"] == 0
+
+
+def test_step_profile_times_and_profiles_speculative_steps():
+    """The step profiler runs on a CPU at a tiny shape: timed steps with their phases (the chain's drafts and
+    verifies take turns), and a profiler table of the steps after them."""
+    tiny = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    tiny |= {"num_attention_heads": 4, "num_key_value_heads": 2}
+    model = step_profile.random_model(torch.device("cpu"), torch.float32, **tiny)
+    timed, table = step_profile.profile_steps(
+        model, batch=4, prompt_len=16, warmup_steps=4, timed_steps=6, profile_steps=2
+    )
+    assert len(timed) == 6 and all(ms > 0 for ms, _ in timed)
+    assert {"draft"} in [set(phases) for _, phases in timed] and {"verify"} in [set(phases) for _, phases in timed]
+    assert table.startswith("2 steps, wall") and "aten::" in table

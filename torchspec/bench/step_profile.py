@@ -1,0 +1,109 @@
+"""Where a speculative step's time goes: per-step wall times and a torch.profiler table, no model file needed.
+
+    python -m torchspec.bench.step_profile --batch 256 --out profile.txt [--no-draft-chain]
+
+A randomly initialised model of SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads, vocabulary 49,152)
+decodes sampled tokens from random prompts with PillarAttn drafts. Random weights make the drafts mostly
+rejected, which does not change a step's structure (a round always drafts k tokens), so host and GPU work per
+step are those of the real model. After ``--warmup-steps`` (graphs captured, requests past their prompts),
+the wall time of each step is taken (synchronised, so GPU work counts), then ``--profile-steps`` run under
+``torch.profiler``: host calls that block (e.g. a synchronous copy) show as large self CPU times, idle GPU
+as a self CUDA total well below the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from torchspec import sparsespec
+from torchspec.request import SamplingParams
+
+SMOLLM2_SHAPE = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
+
+
+def random_model(device: torch.device, dtype: torch.dtype, **overrides: int) -> torch.nn.Module:
+    """SmolLM2-135M's architecture with random weights (``overrides`` shrink it for tests)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**(SMOLLM2_SHAPE | overrides))).to(device=device, dtype=dtype).eval()
+
+
+def profile_steps(
+    model: torch.nn.Module,
+    batch: int,
+    prompt_len: int,
+    warmup_steps: int,
+    timed_steps: int,
+    profile_steps: int,
+    **options,
+) -> tuple[list[tuple[float, list[str]]], str]:
+    """Each timed step's (wall ms, phases it held), and the profiler's table of ``profile_steps`` more steps."""
+    device = next(model.parameters()).device
+    wrapped = sparsespec.wrap(model, draft="pillar_recent", max_batch_size=batch, cuda_graphs=True, **options)
+    engine = wrapped.engine
+    total = warmup_steps + timed_steps + profile_steps
+    params = SamplingParams(max_new_tokens=4 * total, min_new_tokens=4 * total, do_sample=True, temperature=0.65)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(vocab, (batch, prompt_len), generator=generator).tolist()
+    steps = iter(engine.steps([engine.new_request(i, prompt, params) for i, prompt in enumerate(prompts)]))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    timed = []
+    for index in range(warmup_steps + timed_steps):
+        start = time.perf_counter()
+        plan, _ = next(steps)
+        sync()
+        if index >= warmup_steps:
+            timed.append((1e3 * (time.perf_counter() - start), sorted({item.phase.value for item in plan.scheduled})))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        start = time.perf_counter()
+        for _ in range(profile_steps):
+            next(steps)
+        sync()
+        wall = 1e3 * (time.perf_counter() - start)
+    table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    return timed, f"{profile_steps} steps, wall {wall:.1f} ms\n{table}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--warmup-steps", type=int, default=114)
+    parser.add_argument("--timed-steps", type=int, default=6)
+    parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--no-draft-chain", action="store_true", help="one draft per step (draft_chain=False)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", help="write the step times and the profile table here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    model = random_model(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    options = {"draft_chain": False} if args.no_draft_chain else {}
+    timed, table = profile_steps(
+        model, args.batch, args.prompt_len, args.warmup_steps, args.timed_steps, args.profile_steps, **options
+    )
+    report = "step wall times (ms, phases): " + ", ".join(f"{ms:.1f} {'+'.join(p)}" for ms, p in timed)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as sink:
+            sink.write(f"{report}\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
