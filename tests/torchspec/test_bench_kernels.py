@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from torchspec.bench import kernels
+from torchspec.bench import kernel_case, kernels
 
 
 def _record(case: str, ms: float, **setting) -> dict:
@@ -40,3 +41,19 @@ def test_plain_records_give_bandwidth_per_case_and_the_fused_speedup():
     ]
     row = kernels.report(records).splitlines()[2]
     assert row.startswith("| smollm2 | 32 | 8192 |") and "39% (15 us)" in row and row.endswith("| 1.73x |")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the benchmark's cases live on the GPU)")
+@pytest.mark.parametrize("case", ["verify", "draft_floor"])
+def test_kernel_case_launches_one_case_for_a_profiler(case, monkeypatch):
+    """``kernel_case`` runs a benchmark case (here a small verify and the draft floor) the number of times asked."""
+    launches = []
+    launch_case = kernels.OUR_CASES[case]
+
+    def counted(point):
+        launch, nbytes = launch_case(point)
+        return (lambda: launches.append(launch())), nbytes
+
+    monkeypatch.setitem(kernels.OUR_CASES, case, counted)
+    kernel_case.main(["smollm2", "4", "256", case, "--repeats", "2"])
+    assert len(launches) == 2
