@@ -65,7 +65,7 @@ class Runner:
 
         Host work grows with the batch and the step's query tokens, not with the context: slot lists are
         gathered from the device slot table (see slot_table.py)."""
-        ids: list[int] = []
+        input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         token_rows: list[int] = []
@@ -75,7 +75,7 @@ class Runner:
             request, start = item.request, item.first_position
             end = start + item.num_query_tokens
             row = self.table.row(request)
-            ids.extend(item.query_token_ids())
+            input_ids.extend(item.query_token_ids())
             positions.extend(range(start, end))
             slot_mapping.extend(request.slots[start:end])
             token_rows.extend([row] * item.num_query_tokens)
@@ -104,7 +104,7 @@ class Runner:
             max_q_len=max(item.num_query_tokens for item in plan.scheduled),
             max_scored_queries=max(scored, default=0),
         )
-        return self._tensor(ids)[None], self._tensor(positions)[None], metadata
+        return self._tensor(input_ids)[None], self._tensor(positions)[None], metadata
 
     def _view(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> KVView:
         indptr, indices = self.table.gather(rows, starts, ends)
