@@ -19,6 +19,7 @@ import time
 import torch
 
 from torchspec import sparsespec
+from torchspec.bench.records import add_engine_arguments, engine_options
 from torchspec.request import SamplingParams
 
 SMOLLM2_SHAPE = {
@@ -52,7 +53,8 @@ def profile_steps(
 ) -> tuple[list[tuple[float, list[str]]], str]:
     """Each timed step's (wall ms, phases it held), and the profiler's table of ``profile_steps`` more steps."""
     device = next(model.parameters()).device
-    wrapped = sparsespec.wrap(model, draft="pillar_recent", max_batch_size=batch, cuda_graphs=True, **options)
+    options = options | {"cuda_graphs": True}  # the decoding steps this profiles are graph replays
+    wrapped = sparsespec.wrap(model, draft="pillar_recent", max_batch_size=batch, **options)
     engine = wrapped.engine
     total = warmup_steps + timed_steps + profile_steps
     params = SamplingParams(max_new_tokens=4 * total, min_new_tokens=4 * total, do_sample=True, temperature=0.65)
@@ -88,15 +90,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-steps", type=int, default=114)
     parser.add_argument("--timed-steps", type=int, default=6)
     parser.add_argument("--profile-steps", type=int, default=4)
-    parser.add_argument("--no-draft-chain", action="store_true", help="one draft per step (draft_chain=False)")
+    add_engine_arguments(parser)  # --no-draft-chain, --compile, --attention-backend (graphs are always on)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="write the step times and the profile table here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     model = random_model(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    options = {"draft_chain": False} if args.no_draft_chain else {}
     timed, table = profile_steps(
-        model, args.batch, args.prompt_len, args.warmup_steps, args.timed_steps, args.profile_steps, **options
+        model,
+        args.batch,
+        args.prompt_len,
+        args.warmup_steps,
+        args.timed_steps,
+        args.profile_steps,
+        **engine_options(args),
     )
     report = "step wall times (ms, phases): " + ", ".join(f"{ms:.1f} {'+'.join(p)}" for ms, p in timed)
     print(report)
