@@ -11,7 +11,7 @@ import attention
 from torchspec.config import SpecConfig
 from torchspec.drafting import DraftPolicy, make_policy
 from torchspec.hf import routed_attention
-from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens
+from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens, step_workspace_bytes
 from torchspec.request import FinishReason, Request, SamplingParams
 from torchspec.runner import Runner
 from torchspec.scheduler import Scheduler, StepPlan
@@ -66,11 +66,17 @@ class Engine:
         text_config = model.config.get_text_config()
         self.context_length: int | None = getattr(text_config, "max_position_embeddings", None)
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.policy = make_policy(config, layers)
+        k = config.k if self.policy is not None else 0
+        self.max_step_tokens = config.max_step_tokens or max(DEFAULT_STEP_TOKENS, config.max_batch_size * (k + 1))
         capacity = config.kv_capacity_tokens or auto_capacity_tokens(
-            layers, self.dtype, self.device, config.max_batch_size * (self.context_length or 32768)
+            layers,
+            self.dtype,
+            self.device,
+            workspace_bytes=step_workspace_bytes(self.max_step_tokens, config.max_batch_size, k, self.vocab_size),
+            host_ceiling_tokens=config.max_batch_size * (self.context_length or 32768),
         )
         self.pool = KVPool(layers, capacity, self.dtype, self.device)
-        self.policy = make_policy(config, layers)
         ops = attention.load_ops(config.attention_backend, self.device)
         self.runner = Runner(
             model,
@@ -86,9 +92,6 @@ class Engine:
         )
         self.num_draft_slots = self.runner.num_draft_slots
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy)
-        self.max_step_tokens = config.max_step_tokens or max(
-            DEFAULT_STEP_TOKENS, config.max_batch_size * (self.num_draft_slots + 1)
-        )
         self._run_start = time.perf_counter()
         self._run_steps = 0
 

@@ -6,11 +6,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-# Memory left to activations, logits and the allocator when the pool is sized from free device memory.
-_DEVICE_MEMORY_FRACTION = 0.85
-_DEVICE_RESERVE_BYTES = 2 << 30
+# Share of the device memory left after the weights and the step workspace that an automatic pool takes; the
+# rest absorbs what the estimate misses (allocator fragmentation, compiled kernels, CUDA graphs' own pools).
+_DEVICE_MEMORY_FRACTION = 0.9
 # Share of the host's available memory a CPU pool may take when sized automatically.
 _HOST_MEMORY_FRACTION = 0.25
 
@@ -28,26 +29,34 @@ class LayerSpec:
 
 
 class SlotAllocator:
-    """Free list of physical KV slots. Lowest slots are handed out first, so small runs stay compact."""
+    """Free stack of physical KV slots. Lowest slots are handed out first, so small runs stay compact.
+
+    A NumPy stack, not a Python list: an automatic pool on a large GPU holds millions of slots (5M for SmolLM2
+    on an H200), which a list of ints would hold at ~36 bytes each and build in a second."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._stack = np.arange(num_slots - 1, -1, -1, dtype=np.int64)  # free slots, next one on top
+        self._top = num_slots
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._top
+
+    def free_slots(self) -> np.ndarray:
+        """A copy of the free slots (for checks: every slot free exactly once at the end of a run)."""
+        return self._stack[: self._top].copy()
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise RuntimeError(f"KV pool exhausted: {count} slots requested, {len(self._free)} free")
-        taken = self._free[len(self._free) - count :]
-        del self._free[len(self._free) - count :]
-        taken.reverse()
-        return taken
+        if count > self._top:
+            raise RuntimeError(f"KV pool exhausted: {count} slots requested, {self._top} free")
+        self._top -= count
+        return self._stack[self._top : self._top + count][::-1].tolist()
 
     def free(self, slots: Sequence[int]) -> None:
-        self._free.extend(slots)
+        count = len(slots)
+        self._stack[self._top : self._top + count] = slots
+        self._top += count
 
 
 class KVPool:
@@ -69,22 +78,38 @@ def bytes_per_token(layers: Sequence[LayerSpec], dtype: torch.dtype) -> int:
 
 
 def auto_capacity_tokens(
-    layers: Sequence[LayerSpec], dtype: torch.dtype, device: torch.device, ceiling_tokens: int
+    layers: Sequence[LayerSpec],
+    dtype: torch.dtype,
+    device: torch.device,
+    workspace_bytes: int,
+    host_ceiling_tokens: int,
 ) -> int:
-    """Size the pool from free memory: most of what a GPU has left, a quarter of the host's RAM on CPU.
+    """Size the pool from free memory, after the weights (already loaded) and ``workspace_bytes`` (what steps
+    allocate besides the pool: logits, sampling, graphs; see ``step_workspace_bytes``).
 
-    ``ceiling_tokens`` (max batch x context) caps it, so a CPU run does not claim memory it cannot use.
+    On a GPU the pool takes 90% of what is left, with no cap from the model's context length: requests longer
+    than the batch's share of the pool only wait when memory itself runs out. On a CPU it takes at most a
+    quarter of the host's available RAM and no more than ``host_ceiling_tokens`` (max batch x context), since
+    the host's memory is everybody's.
     """
     per_token = bytes_per_token(layers, dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * _DEVICE_MEMORY_FRACTION) - _DEVICE_RESERVE_BYTES
+        tokens = int((free - workspace_bytes) * _DEVICE_MEMORY_FRACTION) // per_token
     else:
         budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * _HOST_MEMORY_FRACTION)
-    tokens = min(budget // per_token, ceiling_tokens)
+        tokens = min(budget // per_token, host_ceiling_tokens)
     if tokens < 1:
         raise MemoryError(
-            f"no memory left for a KV pool on {device} ({per_token} bytes per token); free memory or pass "
-            "kv_capacity_tokens explicitly"
+            f"no memory left for a KV pool on {device} ({per_token} bytes per token, {workspace_bytes} bytes of step "
+            "workspace); free memory, lower max_batch_size or pass kv_capacity_tokens explicitly"
         )
     return tokens
+
+
+def step_workspace_bytes(max_step_tokens: int, max_batch_size: int, k: int, vocab_size: int) -> int:
+    """Device memory a step may take besides the pool: fp32 logits of every query token and the sampling
+    tensors made from them (probabilities, warped copies, sorts: ~6 of that size), the drafts' stored
+    distributions (``[batch, k, V]``), and 2 GiB for activations, graph pools and compiled kernels."""
+    logits = max_step_tokens * vocab_size * 4
+    return 6 * logits + max_batch_size * k * vocab_size * 4 + (2 << 30)

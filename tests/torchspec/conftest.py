@@ -173,7 +173,7 @@ def assert_no_slot_leak(wrapped: Any) -> None:
     """Every KV slot is back in the free list after a call (and none was handed back twice)."""
     pool = wrapped.engine.pool
     assert pool.allocator.num_free == pool.num_slots, f"{pool.num_slots - pool.allocator.num_free} slots leaked"
-    assert sorted(pool.allocator._free) == list(range(pool.num_slots)), "free list holds duplicates"
+    assert sorted(pool.allocator.free_slots().tolist()) == list(range(pool.num_slots)), "free list holds duplicates"
 
 
 Reference = Callable[..., torch.Tensor]
