@@ -13,7 +13,7 @@ from torchspec.drafting import DraftPolicy, make_policy
 from torchspec.hf import routed_attention
 from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens, step_workspace_bytes
 from torchspec.request import FinishReason, Request, SamplingParams
-from torchspec.runner import Runner
+from torchspec.runner import LaunchedStep, Runner
 from torchspec.scheduler import Scheduler, StepPlan
 from torchspec.stats import GenerationStats, accepted_histogram
 
@@ -86,12 +86,14 @@ class Engine:
             self.device,
             self.policy,
             generator,
-            compile_model=bool(config.compile),
+            compile_model=self.device.type == "cuda" if config.compile is None else config.compile,
             cuda_graphs=use_cuda_graphs(config.cuda_graphs, self.device, ops),
             max_batch_size=config.max_batch_size,
         )
         self.num_draft_slots = self.runner.num_draft_slots
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy)
+        # Launch each step before reading the last one back; only without speculation (see SpecConfig).
+        self.delayed_verify = self.policy is None if config.delayed_verify is None else config.delayed_verify
         self._run_start = time.perf_counter()
         self._run_steps = 0
 
@@ -147,23 +149,33 @@ class Engine:
             else:
                 scheduler.add(request)
         self.runner.table.reset()
+        in_flight: LaunchedStep | None = None  # launched, not yet read back (delayed verification)
         try:
             with routed_attention(self.model):
                 while scheduler.has_work():
-                    plan = scheduler.schedule()
-                    if not plan.scheduled:
+                    plan = scheduler.schedule(in_flight.plan if in_flight is not None else None)
+                    launched = self.runner.launch(plan) if plan.scheduled else None
+                    if in_flight is None and launched is None:
                         raise RuntimeError("scheduler made no progress: a waiting request can never be admitted")
-                    finished = scheduler.commit(plan, self.runner.run(plan))
-                    for request in finished:
-                        self.runner.table.release(request)
-                    self._run_steps += 1
-                    yield plan, finished
+                    if not self.delayed_verify:
+                        in_flight, launched = launched, None
+                    if in_flight is not None:  # read back while the step just launched runs
+                        yield self._commit(scheduler, in_flight)
+                    in_flight = launched
         finally:
             for request in list(scheduler.running):
                 scheduler.finish(request, FinishReason.ERROR)
                 request.error = "stopped before finishing"
             for request in scheduler.waiting:
                 request.finish(FinishReason.ERROR, "stopped before starting")
+
+    def _commit(self, scheduler: Scheduler, step: LaunchedStep) -> tuple[StepPlan, list[Request]]:
+        """Read a launched step back and apply it; the finished requests give their slot-table rows back."""
+        finished = scheduler.commit(step.plan, self.runner.collect(step))
+        for request in finished:
+            self.runner.table.release(request)
+        self._run_steps += 1
+        return step.plan, finished
 
     def run(self, requests: Sequence[Request], on_step: StepCallback | None = None) -> GenerationStats:
         """Run every request to completion (see :meth:`steps`) and return the call's statistics."""

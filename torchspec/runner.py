@@ -1,4 +1,8 @@
-"""The one place that executes: a StepPlan becomes device metadata, one packed forward, and step results."""
+"""The one place that executes: a StepPlan becomes device metadata, one packed forward, and step results.
+
+A step is launched (everything queued on the device, its results copied into pinned host memory behind an
+event) and collected later (the host waits for that event alone), so the engine can launch the next step in
+between and keep the GPU busy while the host reads and commits this one (delayed verification)."""
 
 from __future__ import annotations
 
@@ -66,6 +70,8 @@ class Runner:
         Host work grows with the batch and the step's query tokens, not with the context: slot lists are
         gathered from the device slot table (see slot_table.py)."""
         input_ids: list[int] = []
+        fed_tokens: list[int] = []  # token indices whose input is the in-flight step's token, on the device
+        fed_rows: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         token_rows: list[int] = []
@@ -75,6 +81,9 @@ class Runner:
             request, start = item.request, item.first_position
             end = start + item.num_query_tokens
             row = self.table.row(request)
+            if item.fed:
+                fed_tokens.append(len(input_ids))
+                fed_rows.append(row)
             input_ids.extend(item.query_token_ids())
             positions.extend(range(start, end))
             slot_mapping.extend(request.slots[start:end])
@@ -104,7 +113,11 @@ class Runner:
             max_q_len=max(item.num_query_tokens for item in plan.scheduled),
             max_scored_queries=max(scored, default=0),
         )
-        return self._tensor(input_ids)[None], self._tensor(positions)[None], metadata
+        ids = self._tensor(input_ids)
+        if fed_tokens:
+            index = self._tensor([fed_tokens, fed_rows])
+            ids[index[0]] = self.table.last_tokens[index[1]]
+        return ids[None], self._tensor(positions)[None], metadata
 
     def _view(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> KVView:
         indptr, indices = self.table.gather(rows, starts, ends)
@@ -203,10 +216,11 @@ class Runner:
         return select
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> list[StepResult]:
-        """Execute one step: the forward, the policy's learning from verify attention, token selection; then
-        the later forwards of draft chains, each fed the previous draft tokens on the device. The host reads
-        the step's tokens back once, at the end, so a chain's forwards queue on the GPU back to back."""
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue one step: the forward, the policy's learning from verify attention, token selection; then
+        the later forwards of draft chains, each fed the previous draft tokens on the device; then the copy of
+        the step's tokens to the host. Nothing here waits for the GPU: a chain's forwards queue back to back,
+        and the next step can be queued before this one is collected."""
         input_ids, position_ids, metadata = self.build_metadata(plan)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
         self._learn_from_verify(plan, metadata)
@@ -217,7 +231,40 @@ class Runner:
             input_ids = chain[-1][None, : len(later.scheduled)]  # a prefix: drafts are sorted longest chain first
             logits, rows = self._forward(later, input_ids, position_ids, metadata)
             chain.append(self._pick(later, logits, rows).tokens)
-        return self._results(plan, first_row, picks, chain[1:])
+        self._keep_last_tokens(plan, first_row, picks)
+        parts = [picks.tokens, *chain[1:]]
+        if picks.accepted is not None:
+            parts += [picks.accepted, picks.next_token]
+        return LaunchedStep(
+            plan=plan,
+            first_row=first_row,
+            sampled_rows=picks.sampled_rows,
+            part_sizes=[part.shape[0] for part in parts],
+            num_chain_forwards=len(chain) - 1,
+            readback=_Readback(torch.cat(parts)),
+            entropies=None if picks.entropies is None else _Readback(picks.entropies),
+        )
+
+    def _keep_last_tokens(self, plan: StepPlan, first_row: list[int], picks: _Picks) -> None:
+        """Record on the device the token each request emits when it emits exactly one (a plain decode, a final
+        prompt chunk): the next step may feed it before the host has read it (delayed verification)."""
+        greedy_rows, greedy_table_rows, sampled, sampled_table_rows = [], [], [], []
+        for item, row in zip(plan.scheduled, first_row, strict=True):
+            one_token = item.phase is Phase.PREFILL or (item.phase is Phase.VERIFY and item.num_query_tokens == 1)
+            if not (item.samples and one_token):
+                continue
+            if row in picks.sampled_rows:
+                sampled.append(picks.sampled_rows[row])
+                sampled_table_rows.append(self.table.row(item.request))
+            else:
+                greedy_rows.append(row)
+                greedy_table_rows.append(self.table.row(item.request))
+        if greedy_rows:
+            index = self._tensor([greedy_rows, greedy_table_rows])
+            self.table.last_tokens[index[1]] = picks.tokens[index[0]]
+        if sampled:
+            index = self._tensor([sampled, sampled_table_rows])
+            self.table.last_tokens[index[1]] = picks.next_token[index[0]]
 
     def _chain_forwards(
         self, drafts: Sequence[ScheduledRequest]
@@ -328,7 +375,9 @@ class Runner:
                 continue
             request = item.request
             count = item.num_query_tokens if item.phase is Phase.VERIFY else 1
-            base = request.num_output_tokens + (item.first_position - request.num_computed_tokens)
+            # Output index of the token sampled after the first sampled row's position (from positions alone:
+            # the host's token list may lag the step in flight).
+            base = item.first_position + item.num_query_tokens - count + 1 - request.num_prompt_tokens
             row_params.extend([request.params] * count)
             row_output_index.extend(range(base, base + count))
         below_minimum = [
@@ -368,18 +417,14 @@ class Runner:
             next_token=next_token,
         )
 
-    def _results(
-        self, plan: StepPlan, first_row: list[int], picks: _Picks, chain: list[torch.Tensor]
-    ) -> list[StepResult]:
-        """Each request's results, from one read-back of the step's picks. ``chain[j]`` holds the draft tokens of
-        the chain's forward j + 1 (a prefix of the step's draft requests)."""
-        parts = [picks.tokens, *chain]
-        if picks.accepted is not None:
-            parts += [picks.accepted, picks.next_token]
-        values = torch.cat(parts).tolist()
-        entropies = [] if picks.entropies is None else picks.entropies.tolist()
-        argmax, *rest = _split(values, [part.shape[0] for part in parts])
-        later, (accepted, next_token) = rest[: len(chain)], rest[len(chain) :] or ([], [])
+    def collect(self, step: LaunchedStep) -> list[StepResult]:
+        """Each request's results, from the one read-back of a launched step (waits for that step alone). The
+        read-back holds each row's argmax (or draft draw), then the draft tokens of each later chain forward (a
+        prefix of the step's draft requests each), then the sampled verifies' accepted counts and next tokens."""
+        plan, first_row = step.plan, step.first_row
+        argmax, *rest = _split(step.readback.tolist(), step.part_sizes)
+        later, (accepted, next_token) = rest[: step.num_chain_forwards], rest[step.num_chain_forwards :] or ([], [])
+        entropies = [] if step.entropies is None else step.entropies.tolist()
         results = []
         for index, (item, row) in enumerate(zip(plan.scheduled, first_row, strict=True)):
             if not item.samples:
@@ -390,8 +435,8 @@ class Runner:
                 results.append(StepResult(draft_tokens=tokens, draft_entropy=entropy))
             else:
                 drafts_made = item.request.round.tokens if item.phase is Phase.VERIFY else []
-                if row in picks.sampled_rows:
-                    verify = picks.sampled_rows[row]
+                if row in step.sampled_rows:
+                    verify = step.sampled_rows[row]
                     tokens_out = [*drafts_made[: accepted[verify]], next_token[verify]]
                     results.append(StepResult(tokens=tokens_out, num_accepted=accepted[verify]))
                 else:
@@ -429,6 +474,39 @@ class Runner:
         else:
             draft_probs = probs.new_zeros(len(rounds), 0, probs.shape[-1])
         return accept_sampled(target, drafts, draft_probs, num_drafts, self.generator)
+
+
+class _Readback:
+    """A device tensor on its way to the host: copied into pinned memory behind an event, so the host waits
+    for the step that made it and not for whatever was queued after it."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.event = None
+        if values.device.type == "cuda":
+            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.values.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = values
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.values.tolist()
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device and not yet read back: what ``Runner.collect`` needs to make its results."""
+
+    plan: StepPlan
+    first_row: list[int]  # each request's first logits row
+    sampled_rows: dict[int, int]  # first row of each sampled verify -> its index in accepted / next_token
+    part_sizes: list[int]  # lengths of the read-back's parts (see ``Runner.collect``)
+    num_chain_forwards: int  # later forwards of the step's draft chains
+    readback: _Readback
+    entropies: _Readback | None  # draft rows' entropies, for policies that steer by them
 
 
 @dataclass

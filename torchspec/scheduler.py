@@ -6,6 +6,14 @@ drafts, full attention). A round without drafts is a plain decode step, so ``dra
 With ``draft_chain`` a request runs all of its round's draft steps within one engine step (the runner feeds
 each draft token to the next forward on the device), so a round costs the host two steps, not k + 1.
 
+Delayed verification (``schedule(in_flight=...)``): the engine plans and launches step N + 1 before it reads
+step N back. A request in step N whose result fixes what it does next on the host sits step N + 1 out. One
+whose next step is known without it runs on, ``ahead`` positions past what the host has committed: a prompt
+chunk that does not sample is followed by the next chunk; a step that emits exactly one token and leaves
+nothing to decide (a plain decode or a final prompt chunk, without speculation) is followed by a decode fed
+the token step N leaves on the device. Stop conditions then apply one step late, and a token made past a stop
+is discarded at commit.
+
 Admission reserves a request's worst-case KV need (prompt + max_new_tokens + k draft slots), so a running
 request never runs out of slots and nothing is evicted or recomputed: requests that do not fit wait.
 """
@@ -36,18 +44,26 @@ class ScheduledRequest:
     # Draft forwards the step runs for a draft request, back to back from ``first_position`` (a draft chain:
     # each feeds the previous draft token on the device); 1 = one draft per step.
     chain: int = 1
+    # Positions the step still in flight computes before this one (delayed verification): a decode then feeds
+    # the token that step emits, on the device and not yet on the host.
+    ahead: int = 0
     # Read many times per step and fixed until the step is committed: computed once, when scheduled.
     first_position: int = field(init=False)  # of the first query token (drafts sit after the newest accepted)
     samples: bool = field(init=False)  # the step produces tokens for it (all but a prefill chunk short of the end)
 
     def __post_init__(self) -> None:
         request = self.request
-        self.first_position = request.num_computed_tokens + (
-            len(request.round.tokens) if self.phase is Phase.DRAFT else 0
+        self.first_position = (
+            request.num_computed_tokens + (len(request.round.tokens) if self.phase is Phase.DRAFT else 0) + self.ahead
         )
-        self.samples = self.phase is not Phase.PREFILL or request.num_computed_tokens + self.num_query_tokens == len(
+        self.samples = self.phase is not Phase.PREFILL or self.first_position + self.num_query_tokens == len(
             request.token_ids
         )
+
+    @property
+    def fed(self) -> bool:
+        """The input token comes from the step in flight, on the device (see ``ahead``)."""
+        return self.ahead > 0 and self.phase is not Phase.PREFILL
 
     @property
     def end_position(self) -> int:
@@ -63,8 +79,10 @@ class ScheduledRequest:
     def query_token_ids(self) -> list[int]:
         request = self.request
         if self.phase is Phase.PREFILL:
-            start = request.num_computed_tokens
+            start = self.first_position
             return request.token_ids[start : start + self.num_query_tokens]
+        if self.fed:
+            return [0]  # a placeholder: the runner puts the in-flight step's token there, on the device
         fed = [request.token_ids[-1], *request.round.tokens]
         return fed[-1:] if self.phase is Phase.DRAFT else fed
 
@@ -127,20 +145,36 @@ class Scheduler:
     def reservation(self, request: Request) -> int:
         return request.max_total_tokens + self.k
 
-    def schedule(self) -> StepPlan:
-        """Draft and verify steps first (one per decoding request), then prefill chunks within the budget."""
+    def schedule(self, in_flight: StepPlan | None = None) -> StepPlan:
+        """Draft and verify steps first (one per decoding request), then prefill chunks within the budget.
+        ``in_flight``: the step launched and not yet committed (delayed verification, see the module docstring)."""
         self._admit()
-        decoding = [(request, self._next_step(request)) for request in self.running if request.decoding]
+        pending = {id(item.request): item for item in in_flight.scheduled} if in_flight is not None else {}
+        decoding: list[tuple[Request, ScheduledRequest]] = []
+        prefilling: list[tuple[Request, None, int]] = []  # the chunk is sized below, ``ahead`` positions on
+        for request in self.running:
+            item = pending.get(id(request))
+            if item is None:
+                if request.decoding:
+                    decoding.append((request, self._next_step(request)))
+                else:
+                    prefilling.append((request, None, 0))
+                continue
+            ahead = item.end_position - request.num_computed_tokens  # what the step in flight computes
+            if item.phase is Phase.PREFILL and not item.samples:
+                prefilling.append((request, None, ahead))
+            elif self._runs_on(item):
+                decoding.append((request, ScheduledRequest(request, Phase.VERIFY, 1, ahead=ahead)))
         if self.draft_chain:
             decoding = self._take_turns(decoding)
-        prefilling = [(request, None) for request in self.running if not request.decoding]
         budget = self.max_step_tokens
         scheduled: list[ScheduledRequest] = []
-        for request, item in [*decoding, *prefilling]:  # decoding first, order kept
+        for request, item, *ahead in [*decoding, *prefilling]:  # decoding first, order kept
             if item is None:
                 if budget == 0:
                     break
-                item = ScheduledRequest(request, Phase.PREFILL, min(request.num_pending_tokens, budget))
+                size = min(request.num_pending_tokens - ahead[0], budget)
+                item = ScheduledRequest(request, Phase.PREFILL, size, ahead=ahead[0])
             elif item.num_query_tokens > budget and scheduled:
                 break
             budget = max(0, budget - item.num_query_tokens)
@@ -151,6 +185,12 @@ class Scheduler:
         # Drafts first, longest chain first: a chain's later forwards then hold a prefix of the step's drafts.
         scheduled.sort(key=lambda item: (item.phase is not Phase.DRAFT, -item.chain))
         return StepPlan(scheduled)
+
+    def _runs_on(self, item: ScheduledRequest) -> bool:
+        """Whether a request of the step in flight runs in the next step too (fed its token on the device): its
+        step emits exactly one token and leaves nothing to decide (no speculation), and a token is left to make
+        after the one in flight."""
+        return self.policy is None and item.samples and item.request.remaining_tokens > 1
 
     def _take_turns(self, decoding: list[tuple[Request, ScheduledRequest]]) -> list[tuple[Request, ScheduledRequest]]:
         """Chains and verifies take turns: in a step where at least half the decoding requests verify, a request
@@ -207,6 +247,8 @@ class Scheduler:
         finished = []
         for item, result in zip(plan.scheduled, results, strict=True):
             request = item.request
+            if request.is_finished:  # stopped by the step before (delayed verification): a token past its stop
+                continue
             if item.phase is Phase.DRAFT:
                 current = request.round
                 current.tokens.extend(result.draft_tokens)
@@ -223,10 +265,12 @@ class Scheduler:
                 self._record_round(request, item, result)
                 if self.policy is not None and item.num_query_tokens > 1:
                     self.policy.on_round_end(request, result.num_accepted)
-                # The newest token and the accepted drafts keep their (exact, verified) K/V.
+                # The newest token and the accepted drafts keep their (exact, verified) K/V; the rejected drafts'
+                # slots go back (slots past them belong to the step in flight, if any).
                 request.num_computed_tokens += 1 + result.num_accepted
-                self.allocator.free(request.slots[request.num_computed_tokens :])
-                del request.slots[request.num_computed_tokens :]
+                rejected = slice(request.num_computed_tokens, item.end_position)
+                self.allocator.free(request.slots[rejected])
+                del request.slots[rejected]
             if request.round.length is not None:  # a round ran: the next one starts afresh
                 request.round = DraftRound(pattern=request.round.pattern, recent_start=request.round.recent_start)
             if self._append(request, result.tokens):

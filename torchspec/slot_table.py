@@ -6,6 +6,9 @@ ever read after a step has computed it, and a freed draft position is recomputed
 before any later step reads it, so the table always agrees with the host lists where it is read. This
 replaces copying every request's whole slot list to the device each step (the host cost grew with the total
 context: ~1M entries per step at 256 requests x 4K tokens) with work that grows with the batch only.
+
+Each row also holds the newest token its request emitted when that is a single token (``last_tokens``), so a
+step can be fed the token of the step before it without the host reading it first (delayed verification).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class SlotTable:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.slots = torch.zeros(0, 0, dtype=torch.int64, device=device)
+        self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)
         self._rows: dict[int, int] = {}  # id(request) -> row
         self._free_rows: list[int] = []
 
@@ -52,6 +56,9 @@ class SlotTable:
         grown = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
         grown[:old_rows, :old_width] = self.slots
         self.slots = grown
+        last_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        last_tokens[:old_rows] = self.last_tokens
+        self.last_tokens = last_tokens
         self._free_rows = list(range(rows - 1, old_rows - 1, -1)) + self._free_rows
 
     def write(self, rows: Sequence[int], positions: Sequence[int], slots: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from tests.torchspec.conftest import (
     tiny_spec,
 )
 from torchspec import sparsespec
+from torchspec.runner import LaunchedStep
 from torchspec.scheduler import StepPlan
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -73,9 +74,9 @@ class PlanRecorder:
     def __init__(self, wrapped: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         self.steps: list[list[tuple[int, int, bool]]] = []
         runner = wrapped.engine.runner
-        run = runner.run
+        launch = runner.launch
 
-        def spy(plan: StepPlan) -> list[int | None]:
+        def spy(plan: StepPlan) -> LaunchedStep:
             self.steps.append(
                 [
                     (
@@ -86,9 +87,9 @@ class PlanRecorder:
                     for s in plan.scheduled
                 ]
             )
-            return run(plan)
+            return launch(plan)
 
-        monkeypatch.setattr(runner, "run", spy)
+        monkeypatch.setattr(runner, "launch", spy)
 
     def max_tokens(self) -> int:
         return max(sum(n for _, n, _ in step) for step in self.steps)

@@ -36,7 +36,8 @@ from torchspec.drafting.pillar import PillarPolicy
 from torchspec.drafting.pillar_quest import PillarQuestPolicy
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request, SamplingParams
-from torchspec.scheduler import Phase, StepPlan, StepResult
+from torchspec.runner import LaunchedStep
+from torchspec.scheduler import Phase, StepResult
 from torchspec.workloads import chat_token_ids, read_prompts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -131,13 +132,14 @@ class Recorder:
     def attach(cls, wrapped: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
         recorder = cls()
         runner, policy = wrapped.engine.runner, wrapped.engine.policy
-        run = runner.run
+        collect = runner.collect
 
-        def spy_run(plan: StepPlan) -> list[StepResult]:
+        def spy_collect(step: LaunchedStep) -> list[StepResult]:
+            plan = step.plan
             before = [
                 (item, item.first_position, list(item.request.round.tokens), item.samples) for item in plan.scheduled
             ]
-            results = run(plan)
+            results = collect(step)
             recorder.step_tokens.append(plan.num_tokens)
             recorder.step_requests.append({item.request.request_id for item in plan.scheduled})
             phases = {item.phase for item in plan.scheduled}
@@ -156,7 +158,7 @@ class Recorder:
                     recorder.prefill_samples.append(item.request)
             return results
 
-        monkeypatch.setattr(runner, "run", spy_run)
+        monkeypatch.setattr(runner, "collect", spy_collect)
         if policy is None or policy.proposes_tokens:
             return recorder
         name = "select_positions" if policy.selects_in_attention else "draft_positions"

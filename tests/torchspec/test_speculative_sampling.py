@@ -315,13 +315,19 @@ def exact_joint(sampling: str, prompt: tuple[int, ...] = tuple(PROMPT), banned_b
 
 
 def _wrap(
-    draft: str | None, num_samples: int, prompt: Sequence[int], max_new_tokens: int, draft_chain: bool | None = None
+    draft: str | None,
+    num_samples: int,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    draft_chain: bool | None = None,
+    delayed_verify: bool | None = None,
 ):
     """A fresh model wrapped so all samples are one batch: prefill in one step, decode in lockstep."""
     return sparsespec.wrap(
         SPEC.build(),
         draft=draft,
         draft_chain=draft_chain,
+        delayed_verify=delayed_verify,
         k=K,
         min_budget=4,  # pillar drafts attend to 1 Top-K position + those since the verify: far from the target
         sparsity=0.05,
@@ -341,14 +347,18 @@ def generate(wrapped: Any, seed: int, prompt: Sequence[int], num_samples: int, m
 
 
 @functools.cache
-def sampled_tokens(draft: str | None, sampling: str, draft_chain: bool | None = None) -> tuple[torch.Tensor, Any]:
+def sampled_tokens(
+    draft: str | None, sampling: str, draft_chain: bool | None = None, delayed_verify: bool | None = None
+) -> tuple[torch.Tensor, Any]:
     """``[NUM_SAMPLES, NEW_TOKENS]`` tokens sampled by the engine from PROMPT, and the run's stats.
 
-    Each draft setting gets its own seed, so the samples of different settings are independent.
+    Each setting gets its own seed, so the samples of different settings are independent.
     """
-    seed = {(None, None): 0, ("pillar", None): 1, ("ngram", None): 2, ("pillar", False): 3}[draft, draft_chain]
-    wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS, draft_chain)
+    seeds = {(None, None, None): 0, ("pillar", None, None): 1, ("ngram", None, None): 2, ("pillar", False, None): 3}
+    seed = seeds.get((draft, draft_chain, delayed_verify), 6)
+    wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS, draft_chain, delayed_verify)
     assert wrapped.engine.draft_chain is (draft == "pillar" and draft_chain is None)
+    assert wrapped.engine.delayed_verify is (draft is None and delayed_verify is not False)
     outputs = generate(wrapped, seed, PROMPT, NUM_SAMPLES, NEW_TOKENS, **SAMPLING[sampling])
     stats = wrapped.last_stats
     assert all(len(o.token_ids) == NEW_TOKENS and o.finish_reason == "length" for o in outputs)
@@ -377,13 +387,16 @@ def test_tiny_model_is_a_useful_sampler():
         assert float(first.max()) < 0.9
 
 
+@pytest.mark.parametrize("delayed_verify", [None, False], ids=["delayed", "synchronous"])
 @pytest.mark.parametrize("sampling", list(SAMPLING))
-def test_plain_sampling_matches_the_exact_distribution(sampling):
+def test_plain_sampling_matches_the_exact_distribution(sampling, delayed_verify):
     """draft=None: the engine's samples of the first 4 tokens (each one and adjacent pairs) follow the exact
-    distribution from transformers' forward and warpers. Validates the reference the speculative runs are
-    compared with (and the plain sampling path); Bonferroni over the 7 comparisons."""
-    tokens, _ = sampled_tokens(None, sampling)
-    assert_p_values(_p_values_against_exact(count_table(tokens, VOCAB), exact_joint(sampling)), f"None {sampling}")
+    distribution from transformers' forward and warpers, with delayed verification (each step fed the last
+    one's tokens on the device) and without. Validates the reference the speculative runs are compared with
+    (and the plain sampling path); Bonferroni over the 7 comparisons."""
+    tokens, _ = sampled_tokens(None, sampling, delayed_verify=delayed_verify)
+    p_values = _p_values_against_exact(count_table(tokens, VOCAB), exact_joint(sampling))
+    assert_p_values(p_values, f"None {sampling} delayed_verify={delayed_verify}")
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))

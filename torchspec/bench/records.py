@@ -20,18 +20,28 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype: str = "bfloat16"
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
+SWITCHES = {"auto": None, "on": True, "off": False}  # a tri-state wrap() option on the command line
+#: wrap() options a benchmark can set, each ``--NAME auto|on|off`` (``--NAME`` alone: on; auto: the default).
+ENGINE_SWITCHES = {
+    "compile": "torch.compile the model forward (auto: on with CUDA)",
+    "cuda_graphs": "replay decoding steps from CUDA graphs (auto: on with CUDA)",
+    "delayed_verify": "launch each step before reading the last one back (auto: on without speculation)",
+    "draft_chain": "a request drafts its whole round in one engine step (auto: where the policy allows)",
+}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model forward")
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay decoding steps from CUDA graphs")
+    for name, meaning in ENGINE_SWITCHES.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, nargs="?", const="on", default="auto", choices=list(SWITCHES), help=meaning)
     parser.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention op set")
-    parser.add_argument("--no-draft-chain", action="store_true", help="one draft per engine step (draft_chain=False)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, bool | str | None]:
-    """``wrap()`` options from :func:`add_engine_arguments` (None = the engine's default)."""
-    options = {"compile": args.compile or None, "cuda_graphs": args.cuda_graphs or None}
-    if args.no_draft_chain:
-        options["draft_chain"] = False
+    """``wrap()`` options from :func:`add_engine_arguments`; the ones left at auto are not passed."""
+    options: dict[str, bool | str | None] = {
+        name: SWITCHES[getattr(args, name)] for name in ENGINE_SWITCHES if getattr(args, name) != "auto"
+    }
     if args.attention_backend != "auto":
         options["attention_backend"] = args.attention_backend
     return options

@@ -1,6 +1,6 @@
 """Where a speculative step's time goes: per-step wall times and a torch.profiler table, no model file needed.
 
-    python -m torchspec.bench.step_profile --batch 256 --out profile.txt [--no-draft-chain]
+    python -m torchspec.bench.step_profile --batch 256 --out profile.txt [--draft-chain off]
 
 A randomly initialised model of SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads, vocabulary 49,152)
 decodes sampled tokens from random prompts with PillarAttn drafts. Random weights make the drafts mostly
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-steps", type=int, default=114)
     parser.add_argument("--timed-steps", type=int, default=6)
     parser.add_argument("--profile-steps", type=int, default=4)
-    add_engine_arguments(parser)  # --no-draft-chain, --compile, --attention-backend (graphs are always on)
+    add_engine_arguments(parser)  # --draft-chain, --compile, ... (graphs are always on)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="write the step times and the profile table here")
     args = parser.parse_args(argv)

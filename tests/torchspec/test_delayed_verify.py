@@ -1,0 +1,96 @@
+"""Delayed verification: each step is launched before the last one is read back (draft=None).
+
+The engine then plans step N + 1 from what the host knows while step N runs: a decode is fed step N's token on
+the device, a prompt chunk is followed by the next one, and stop conditions apply one step late (the token made
+past a stop is discarded). Greedy output must equal the synchronous loop token for token, with EOS, min and
+max lengths landing anywhere, prompts prefilled in several chunks, requests queueing for a small pool, and
+CUDA graphs' padded path; every KV slot must be free at the end. The sampled case is in
+test_speculative_sampling.py (chi-square against the exact distribution, both loops).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.torchspec.conftest import Batch, assert_no_slot_leak, generated_rows, tiny_spec
+from torchspec import sparsespec
+from torchspec.runner import LaunchedStep
+from torchspec.scheduler import StepPlan
+
+SPECS = [tiny_spec("llama", 2), tiny_spec("qwen3", 4)]
+BATCH = Batch((40, 77, 9, 150, 101, 23), seed=3)
+MAX_NEW_TOKENS = 24
+LOOPS = {
+    "graphs": {"cuda_graphs": True},
+    "chunked-prefill": {"max_step_tokens": 32},  # prompts take several steps, next to decodes
+    "small-pool": {"kv_capacity_tokens": 200, "max_batch_size": 3},  # requests queue and reuse slots
+}
+
+
+def _generate(spec: Any, delayed: bool, options: dict[str, Any], **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    wrapped = sparsespec.wrap(
+        spec.build(), draft=None, delayed_verify=delayed, **({"kv_capacity_tokens": 1024} | options)
+    )
+    assert wrapped.engine.delayed_verify is delayed
+    output = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **kwargs)
+    assert_no_slot_leak(wrapped)
+    return output, wrapped
+
+
+def _early_token(spec: Any) -> int:
+    """A token some row generates early: as EOS it stops rows mid-run."""
+    rows = generated_rows(_generate(spec, False, {})[0], BATCH)
+    early = [t for row in rows for t in row[1:6]]
+    return max(set(early), key=early.count)
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.id)
+def test_delayed_verify_gives_the_synchronous_tokens(spec, loop):
+    eos = _early_token(spec)
+    for kwargs in ({}, {"eos_token_id": eos}, {"eos_token_id": eos, "min_new_tokens": 7}):
+        expected, _ = _generate(spec, False, LOOPS[loop], **kwargs)
+        actual, _ = _generate(spec, True, LOOPS[loop], **kwargs)
+        assert torch.equal(expected, actual), f"{loop} {kwargs}\n{actual}\n{expected}"
+        if kwargs.keys() == {"eos_token_id"}:  # EOS really stopped some rows before the length limit
+            lengths = [len(row) for row in generated_rows(actual, BATCH, [eos])]
+            assert min(lengths) < MAX_NEW_TOKENS, lengths
+
+
+def test_delayed_verify_launches_before_reading_back(monkeypatch):
+    """The next step is launched before the last one is collected (and not in the synchronous loop), every
+    step is collected exactly once, and a decode fed on the device runs while its token is unread."""
+    events: dict[bool, list[tuple[str, int]]] = {}
+    for delayed in (False, True):
+        wrapped = sparsespec.wrap(SPECS[0].build(), draft=None, delayed_verify=delayed, kv_capacity_tokens=1024)
+        runner, log = wrapped.engine.runner, events.setdefault(delayed, [])
+        launch, collect = runner.launch, runner.collect
+        ids: dict[int, int] = {}
+        fed: list[int] = []
+
+        def spy_launch(plan: StepPlan, launch=launch, log=log, ids=ids, fed=fed) -> LaunchedStep:
+            ids[id(plan)] = len(ids)
+            log.append(("launch", ids[id(plan)]))
+            fed.append(sum(item.fed for item in plan.scheduled))
+            return launch(plan)
+
+        def spy_collect(step: LaunchedStep, collect=collect, log=log, ids=ids) -> list:
+            log.append(("collect", ids[id(step.plan)]))
+            return collect(step)
+
+        monkeypatch.setattr(runner, "launch", spy_launch)
+        monkeypatch.setattr(runner, "collect", spy_collect)
+        wrapped.generate(**BATCH.kwargs(), max_new_tokens=8, do_sample=False)
+        collected = [n for kind, n in log if kind == "collect"]
+        assert len(collected) == len(set(collected))
+        assert any(fed) is delayed
+    synchronous = events[False]
+    assert synchronous == [(kind, n) for n in range(len(synchronous) // 2) for kind in ("launch", "collect")]
+    delayed_log = events[True]
+    launched = [n for kind, n in delayed_log if kind == "launch"]
+    # Every step but the last is read back only after the next one was launched.
+    for n in launched[:-1]:
+        assert delayed_log.index(("launch", n + 1)) < delayed_log.index(("collect", n)), delayed_log
