@@ -61,9 +61,9 @@ class SpecConfig:
             instead (they chain and verify in turns, see ``draft_chain``); without, requests prefilled in the
             same step stay in phase and the others mix.
         compile: ``torch.compile`` the model forward (attention stays one opaque custom op per layer);
-            ``None`` = on with CUDA, off elsewhere. On W1 (SmolLM2, 256 x 8,192 sampled tokens, H200) it
-            raised plain decoding from 17.5K to 19.9K tok/s and speculation from 10.6K to 14.4K, compile time
-            included; compiling costs the first steps tens of seconds, so short runs may prefer ``False``.
+            ``None`` = off. An earlier tree measured it at 1.14x (plain) and 1.36x (speculation) on W1, but on
+            this tree's first H200 run plain decoding with it took 41.6 ms per step against 12.5 without
+            (256 x 1,024 tokens, docs/performance.md): opt-in until that is understood.
         cuda_graphs: replay the forward of decoding steps (drafts, verifies, plain decodes, any mix) from CUDA
             graphs captured per padded (drafts, verifies) bucket; on a CPU the same padded static path runs
             without capture (same tokens). ``None`` = on with CUDA (measured on the H200: 2.4x for plain

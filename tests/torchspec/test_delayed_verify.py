@@ -69,9 +69,11 @@ def test_delayed_verify_launches_before_reading_back(monkeypatch):
         runner, log = wrapped.engine.runner, events.setdefault(delayed, [])
         launch, collect = runner.launch, runner.collect
         ids: dict[int, int] = {}
+        plans: list[StepPlan] = []  # kept alive, so no two plans share an id()
         fed: list[int] = []
 
-        def spy_launch(plan: StepPlan, launch=launch, log=log, ids=ids, fed=fed) -> LaunchedStep:
+        def spy_launch(plan: StepPlan, launch=launch, log=log, ids=ids, fed=fed, plans=plans) -> LaunchedStep:
+            plans.append(plan)
             ids[id(plan)] = len(ids)
             log.append(("launch", ids[id(plan)]))
             fed.append(sum(item.fed for item in plan.scheduled))

@@ -23,7 +23,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype: str = "bfloat16"
 SWITCHES = {"auto": None, "on": True, "off": False}  # a tri-state wrap() option on the command line
 #: wrap() options a benchmark can set, each ``--NAME auto|on|off`` (``--NAME`` alone: on; auto: the default).
 ENGINE_SWITCHES = {
-    "compile": "torch.compile the model forward (auto: on with CUDA)",
+    "compile": "torch.compile the model forward (auto: off)",
     "cuda_graphs": "replay decoding steps from CUDA graphs (auto: on with CUDA)",
     "delayed_verify": "launch each step before reading the last one back (auto: on without speculation)",
     "draft_chain": "a request drafts its whole round in one engine step (auto: where the policy allows)",

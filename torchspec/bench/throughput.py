@@ -11,6 +11,7 @@ generated tokens per second, engine steps, mean accepted drafts per round, peak 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections.abc import Sequence
 
@@ -46,6 +47,9 @@ def measure(
 ) -> dict:
     """One ``generate_batch`` over ``prompts`` with ``draft``; its throughput record."""
     device = next(model.parameters()).device
+    if device.type == "cuda":  # the last setting's pool must be gone before this one sizes its own
+        gc.collect()
+        torch.cuda.empty_cache()
     wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=len(prompts), **options)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -78,6 +82,7 @@ def measure(
         # The batch's tail: a run lasts as long as its slowest request; per-request spread of both.
         "latency_s_p50_p90_max": _quantiles([o.stats.latency_s for o in outputs], (0.5, 0.9, 1.0)),
         "request_accepted_p10_p50_p90": _quantiles([o.stats.mean_accepted for o in outputs], (0.1, 0.5, 0.9)),
+        "kv_capacity_tokens": wrapped.engine.kv_capacity_tokens,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         **environment(device, next(model.parameters()).dtype),
     }
