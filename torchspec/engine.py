@@ -67,8 +67,10 @@ class Engine:
         self.context_length: int | None = getattr(text_config, "max_position_embeddings", None)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.policy = make_policy(config, layers)
-        k = config.k if self.policy is not None else 0
+        self.num_draft_slots = k = config.k if self.policy is not None else 0
         self.max_step_tokens = config.max_step_tokens or max(DEFAULT_STEP_TOKENS, config.max_batch_size * (k + 1))
+        # Launch each step before reading the last one back; only without speculation (see SpecConfig).
+        self.delayed_verify = self.policy is None if config.delayed_verify is None else config.delayed_verify
         capacity = config.kv_capacity_tokens or auto_capacity_tokens(
             layers,
             self.dtype,
@@ -89,11 +91,9 @@ class Engine:
             compile_model=bool(config.compile),
             cuda_graphs=use_cuda_graphs(config.cuda_graphs, self.device, ops),
             max_batch_size=config.max_batch_size,
+            feeds_next_step=self.delayed_verify,
         )
-        self.num_draft_slots = self.runner.num_draft_slots
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy)
-        # Launch each step before reading the last one back; only without speculation (see SpecConfig).
-        self.delayed_verify = self.policy is None if config.delayed_verify is None else config.delayed_verify
         self._run_start = time.perf_counter()
         self._run_steps = 0
 

@@ -40,6 +40,7 @@ class Runner:
         compile_model: bool = False,
         cuda_graphs: bool = False,
         max_batch_size: int = 256,
+        feeds_next_step: bool = False,
     ) -> None:
         self.model = model
         # Dynamic shapes: the packed token count changes every step; attention is one opaque op per layer.
@@ -49,6 +50,9 @@ class Runner:
         self.device = device
         self.policy = policy
         self.generator = generator
+        # Keep each one-token step's token on the device, for the next step to be fed before the host reads it
+        # (delayed verification); off, nothing is kept.
+        self.feeds_next_step = feeds_next_step
         self.num_draft_slots = policy.config.k if policy is not None else 0
         self.windows = sorted({layer.sliding_window for layer in layers if layer.sliding_window is not None})
         self.num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
@@ -231,7 +235,8 @@ class Runner:
             input_ids = chain[-1][None, : len(later.scheduled)]  # a prefix: drafts are sorted longest chain first
             logits, rows = self._forward(later, input_ids, position_ids, metadata)
             chain.append(self._pick(later, logits, rows).tokens)
-        self._keep_last_tokens(plan, first_row, picks)
+        if self.feeds_next_step:
+            self._keep_last_tokens(plan, first_row, picks)
         parts = [picks.tokens, *chain[1:]]
         if picks.accepted is not None:
             parts += [picks.accepted, picks.next_token]

@@ -151,7 +151,7 @@ class Scheduler:
         self._admit()
         pending = {id(item.request): item for item in in_flight.scheduled} if in_flight is not None else {}
         decoding: list[tuple[Request, ScheduledRequest]] = []
-        prefilling: list[tuple[Request, None, int]] = []  # the chunk is sized below, ``ahead`` positions on
+        prefilling: list[tuple[Request, None, int]] = []  # no step yet: its chunk is sized below, ``ahead`` on
         for request in self.running:
             item = pending.get(id(request))
             if item is None:
@@ -169,12 +169,13 @@ class Scheduler:
             decoding = self._take_turns(decoding)
         budget = self.max_step_tokens
         scheduled: list[ScheduledRequest] = []
-        for request, item, *ahead in [*decoding, *prefilling]:  # decoding first, order kept
+        candidates = [(request, item, 0) for request, item in decoding] + prefilling  # decoding first, order kept
+        for request, item, ahead in candidates:
             if item is None:
                 if budget == 0:
                     break
-                size = min(request.num_pending_tokens - ahead[0], budget)
-                item = ScheduledRequest(request, Phase.PREFILL, size, ahead=ahead[0])
+                size = min(request.num_pending_tokens - ahead, budget)
+                item = ScheduledRequest(request, Phase.PREFILL, size, ahead=ahead)
             elif item.num_query_tokens > budget and scheduled:
                 break
             budget = max(0, budget - item.num_query_tokens)
