@@ -57,9 +57,9 @@ class SpecConfig:
             request and nothing about the next step waits for it. Speculative rounds still place their next
             round from the accepted count on the host, so ``True`` with a draft policy is refused.
         unified_schedule: drafts and verifies of different requests may share a step's batch and attention
-            launch (the only schedule: ``False`` is refused). With draft chains requests are kept in phase
-            instead (they chain and verify in turns, see ``draft_chain``); without, requests prefilled in the
-            same step stay in phase and the others mix.
+            launch (the only schedule: ``False`` is refused). With draft chains every step runs each decoding
+            request's whole round, so requests stay in phase; without, requests prefilled in the same step stay
+            in phase and the others mix.
         compile: ``torch.compile`` the model forward (attention stays one opaque custom op per layer);
             ``None`` = off. An earlier tree measured it at 1.14x (plain) and 1.36x (speculation) on W1, but on
             this tree's first H200 run plain decoding with it took 41.6 ms per step against 12.5 without
@@ -69,12 +69,12 @@ class SpecConfig:
             without capture (same tokens). ``None`` = on with CUDA (measured on the H200: 2.4x for plain
             decoding, 1.7x with speculation, docs/performance.md), off elsewhere and with the reference
             attention backend (it reads the lists on the host, which a capture cannot hold).
-        draft_chain: run each request's draft steps of a round back to back within one engine step, each
-            forward fed the previous draft token on the device, so the host schedules and reads results twice
-            per round (drafts, verify) instead of k + 1 times, and queues a round's draft forwards without
-            waiting for the GPU in between. Requests chain and verify in turns (a request out of phase waits
-            one step), so each forward holds the whole batch. Same tokens as one draft per step (greedy) and
-            the same distribution (sampling). ``None`` = on, except for policies that decide after each draft
+        draft_chain: run each request's whole round within one engine step: its draft forwards back to back,
+            each fed the previous draft token on the device, then its verify forward, fed the drafts on the
+            device too. The host plans and reads back once per round instead of k + 1 times, and queues the
+            round's k + 1 forwards without waiting for the GPU in between; every request runs a round every
+            step, so each forward holds the whole batch. Same tokens as one draft per step (greedy) and the
+            same distribution (sampling). ``None`` = on, except for policies that decide after each draft
             whether to draft another (``sparsespec_l``: by its entropy, read on the host).
         attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device),
             ``"auto"`` (Triton on CUDA, the reference elsewhere) or ``"flex"`` (``"auto"`` with FlexAttention

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from torchspec.cuda_graphs import StepGraphs
@@ -68,12 +69,15 @@ class Runner:
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return to_device(values, self.device)
 
-    def build_metadata(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def build_metadata(
+        self, plan: StepPlan, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of the packed batch, built once for all layers.
+        ``input_ids``: the packed tokens already on the device (a verify fed its drafts there), else the plan's.
 
         Host work grows with the batch and the step's query tokens, not with the context: slot lists are
         gathered from the device slot table (see slot_table.py)."""
-        input_ids: list[int] = []
+        token_ids: list[int] = []
         fed_tokens: list[int] = []  # token indices whose input is the in-flight step's token, on the device
         fed_rows: list[int] = []
         positions: list[int] = []
@@ -86,9 +90,10 @@ class Runner:
             end = start + item.num_query_tokens
             row = self.table.row(request)
             if item.fed:
-                fed_tokens.append(len(input_ids))
+                fed_tokens.append(len(positions))
                 fed_rows.append(row)
-            input_ids.extend(item.query_token_ids())
+            if input_ids is None:
+                token_ids.extend(item.query_token_ids())
             positions.extend(range(start, end))
             slot_mapping.extend(request.slots[start:end])
             token_rows.extend([row] * item.num_query_tokens)
@@ -117,7 +122,7 @@ class Runner:
             max_q_len=max(item.num_query_tokens for item in plan.scheduled),
             max_scored_queries=max(scored, default=0),
         )
-        ids = self._tensor(input_ids)
+        ids = self._tensor(token_ids) if input_ids is None else input_ids
         if fed_tokens:
             index = self._tensor([fed_tokens, fed_rows])
             ids[index[0]] = self.table.last_tokens[index[1]]
@@ -222,9 +227,10 @@ class Runner:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Queue one step: the forward, the policy's learning from verify attention, token selection; then
-        the later forwards of draft chains, each fed the previous draft tokens on the device; then the copy of
-        the step's tokens to the host. Nothing here waits for the GPU: a chain's forwards queue back to back,
-        and the next step can be queued before this one is collected."""
+        the later forwards of draft chains, each fed the previous draft tokens on the device; then the verify
+        forward of the rounds drafted in this step, fed their drafts on the device too; then the copy of the
+        step's tokens to the host. Nothing here waits for the GPU: a round's forwards queue back to back, and
+        the next step can be queued before this one is collected."""
         input_ids, position_ids, metadata = self.build_metadata(plan)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
         self._learn_from_verify(plan, metadata)
@@ -237,18 +243,49 @@ class Runner:
             chain.append(self._pick(later, logits, rows).tokens)
         if self.feeds_next_step:
             self._keep_last_tokens(plan, first_row, picks)
-        parts = [picks.tokens, *chain[1:]]
-        if picks.accepted is not None:
-            parts += [picks.accepted, picks.next_token]
+        parts = [*picks.parts(), *chain[1:]]
+        verify = self._verify_rounds(drafts, chain)
+        if verify is not None:
+            parts += verify[1].parts()
         return LaunchedStep(
             plan=plan,
-            first_row=first_row,
-            sampled_rows=picks.sampled_rows,
+            first=_Pass(first_row, picks.sampled_rows),
+            verify=None if verify is None else _Pass(verify[0], verify[1].sampled_rows),
             part_sizes=[part.shape[0] for part in parts],
             num_chain_forwards=len(chain) - 1,
             readback=_Readback(torch.cat(parts)),
             entropies=None if picks.entropies is None else _Readback(picks.entropies),
         )
+
+    def _verify_rounds(
+        self, drafts: Sequence[ScheduledRequest], chain: Sequence[torch.Tensor]
+    ) -> tuple[list[int], _Picks] | None:
+        """The verify forward of the rounds drafted in this step (draft chains that ``verifies``): each request's
+        newest token and its drafts, the drafts fed from the chain's tokens on the device. Returns each
+        request's first logits row and the picks."""
+        rounds = [(index, item) for index, item in enumerate(drafts) if item.verifies]
+        if not rounds:
+            return None
+        # The drafts as a matrix [draft requests, longest chain], zero past each chain (forward j drafted for a
+        # prefix of the requests: they are sorted longest chain first).
+        drafted = torch.zeros(len(drafts), len(chain), dtype=torch.int64, device=self.device)
+        for j, tokens in enumerate(chain):
+            drafted[: tokens.shape[0], j] = tokens
+        plan = StepPlan([ScheduledRequest(item.request, Phase.VERIFY, 1 + item.chain) for _, item in rounds])
+        newest, at, draft_rows, draft_columns = [], [], [], []  # flat queries: the newest token, then the drafts
+        for index, item in rounds:
+            newest += [item.request.token_ids[-1], *[0] * item.chain]
+            at += range(len(newest) - item.chain, len(newest))
+            draft_rows += [index] * item.chain
+            draft_columns += range(item.chain)
+        input_ids = self._tensor(newest)
+        index = self._tensor([at, draft_rows, draft_columns])
+        input_ids[index[0]] = drafted[index[1], index[2]]
+        input_ids, position_ids, metadata = self.build_metadata(plan, input_ids)
+        logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
+        self._learn_from_verify(plan, metadata)
+        rows = row_index([index for index, _ in rounds], self.device)
+        return first_row, self._pick(plan, logits, first_row, drafted[rows])
 
     def _keep_last_tokens(self, plan: StepPlan, first_row: list[int], picks: _Picks) -> None:
         """Record on the device the token each request emits when it emits exactly one (a plain decode, a final
@@ -330,9 +367,7 @@ class Runner:
         for item in plan.scheduled:
             first_row.append(len(rows))
             end += item.num_query_tokens
-            if item.samples:
-                count = item.num_query_tokens if item.phase is Phase.VERIFY else 1
-                rows.extend(range(end - count, end))
+            rows.extend(range(end - _sampled_row_count(item), end))
         prefill = any(item.phase is Phase.PREFILL for item in plan.scheduled)
         if self.graphs is not None and self.graphs.eligible(metadata, prefill):
             max_list_len = max(item.request.max_total_tokens for item in plan.scheduled) + self.num_draft_slots
@@ -368,85 +403,89 @@ class Runner:
         if requests:
             self.policy.on_verifies(requests, stacked, spans, first_queries)
 
-    def _pick(self, plan: StepPlan, logits: torch.Tensor, first_row: list[int]) -> _Picks:
+    def _pick(
+        self, plan: StepPlan, logits: torch.Tensor, first_row: list[int], drafted: torch.Tensor | None = None
+    ) -> _Picks:
         """Tokens from the logits rows of each request, on the device: draft samples, verified tokens (see
-        speculative.py).
+        speculative.py). ``drafted``: the verifies' drafts on the device (``[requests, n]``, a round verified in
+        the step that drafted it), else the host's.
 
         Every random draw covers the whole forward at once, and nothing is read back here: per-request draws
-        would cost a host round trip each, which for hundreds of requests costs more than the forward."""
-        row_params, row_output_index = [], []
-        for item in plan.scheduled:
-            if not item.samples:
-                continue
-            request = item.request
-            count = item.num_query_tokens if item.phase is Phase.VERIFY else 1
-            # Output index of the token sampled after the first sampled row's position (from positions alone:
-            # the host's token list may lag the step in flight).
-            base = item.first_position + item.num_query_tokens - count + 1 - request.num_prompt_tokens
-            row_params.extend([request.params] * count)
-            row_output_index.extend(range(base, base + count))
-        below_minimum = [
-            row
-            for row, (p, index) in enumerate(zip(row_params, row_output_index, strict=True))
-            if index < p.min_new_tokens
-        ]
-        suppress_stop_tokens(logits, below_minimum, [row_params[row].stop_token_ids for row in below_minimum])
-        sampled_rows = [row for row, params in enumerate(row_params) if not params.greedy]
-        prob_index = {row: i for i, row in enumerate(sampled_rows)}
+        would cost a host round trip each, which for hundreds of requests costs more than the forward. The
+        host's share is one pass over the requests and NumPy over the rows (a verify of k + 1 rows for each of
+        256 requests is 2,304 rows: a Python loop per row costs milliseconds)."""
+        items = plan.scheduled
+        num_items = len(items)
+        params = [item.request.params for item in items]
+        # Rows each request samples (all of a verify's, a draft's or final prompt chunk's one, else none), and
+        # the output index of the token sampled after its first one (from positions alone: the host's token
+        # list may lag the step in flight).
+        counts = np.fromiter((_sampled_row_count(item) for item in items), dtype=np.int64, count=num_items)
+        ends = (item.first_position + item.num_query_tokens - item.request.num_prompt_tokens for item in items)
+        bases = np.fromiter(ends, np.int64, num_items) + 1 - counts
+        owner = np.repeat(np.arange(num_items), counts)  # the request of each row
+        first = np.asarray(first_row, dtype=np.int64)
+        row_number = np.arange(owner.size) - first[owner]  # the row's index within its request's rows
+        min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, num_items)
+        below_minimum = np.flatnonzero(bases[owner] + row_number < min_new[owner])
+        suppress_stop_tokens(logits, below_minimum, [params[i].stop_token_ids for i in owner[below_minimum]])
+        greedy = np.fromiter((p.greedy for p in params), bool, num_items)
+        sampled_rows = np.flatnonzero(~greedy[owner])
+        prob_index = np.full(owner.size, -1, dtype=np.int64)  # each sampled row's row in ``probs``
+        prob_index[sampled_rows] = np.arange(sampled_rows.size)
         probs = None
-        if sampled_rows:
-            sampled = logits[row_index(sampled_rows, self.device)]
-            probs = warped_probs(sampled, [row_params[row] for row in sampled_rows])
+        if sampled_rows.size:
+            probs = warped_probs(logits[row_index(sampled_rows.tolist(), self.device)], params, owner[sampled_rows])
         tokens = logits.argmax(dim=-1)
-        drafts = [(item, row) for item, row in zip(plan.scheduled, first_row, strict=True) if item.phase is Phase.DRAFT]
-        sampled_drafts = [(item, row) for item, row in drafts if row in prob_index]
-        if sampled_drafts:
-            draft_probs = probs[row_index([prob_index[row] for _, row in sampled_drafts], self.device)]
+        is_draft = np.fromiter((item.phase is Phase.DRAFT for item in items), bool, num_items)
+        drafts = np.flatnonzero(is_draft)
+        sampled_drafts = drafts[~greedy[drafts]]
+        if sampled_drafts.size:
+            draft_probs = probs[row_index(prob_index[first[sampled_drafts]].tolist(), self.device)]
             draws = torch.multinomial(draft_probs, 1, generator=self.generator)
-            tokens[row_index([row for _, row in sampled_drafts], self.device)] = draws[:, 0]
-            table_rows = [self.table.row(item.request) for item, _ in sampled_drafts]
+            tokens[row_index(first[sampled_drafts].tolist(), self.device)] = draws[:, 0]
+            table_rows = [self.table.row(items[i].request) for i in sampled_drafts]
             # A draft's index in its round: its position past the newest accepted token.
-            indices = [item.first_position - item.request.num_computed_tokens for item, _ in sampled_drafts]
+            indices = [items[i].first_position - items[i].request.num_computed_tokens for i in sampled_drafts]
             self.draft_probs.write(table_rows, indices, draft_probs)
-        verifies = [
-            (item, row)
-            for item, row in zip(plan.scheduled, first_row, strict=True)
-            if item.samples and item.phase is not Phase.DRAFT and row in prob_index
-        ]
-        accepted, next_token = self._accept_sampled(verifies, probs, prob_index) if verifies else (None, None)
+        verifies = [(i, items[i], first_row[i]) for i in np.flatnonzero((counts > 0) & ~is_draft & ~greedy).tolist()]
+        accepted, next_token = None, None
+        if verifies:
+            accepted, next_token = self._accept_sampled(verifies, probs, prob_index, drafted)
         return _Picks(
             tokens=tokens,
-            entropies=self._draft_entropies(logits, [row for _, row in drafts]),
-            sampled_rows={row: i for i, (_, row) in enumerate(verifies)},
+            entropies=self._draft_entropies(logits, first[drafts].tolist()),
+            sampled_rows={row: i for i, (_, _, row) in enumerate(verifies)},
             accepted=accepted,
             next_token=next_token,
         )
 
     def collect(self, step: LaunchedStep) -> list[StepResult]:
         """Each request's results, from the one read-back of a launched step (waits for that step alone). The
-        read-back holds each row's argmax (or draft draw), then the draft tokens of each later chain forward (a
-        prefix of the step's draft requests each), then the sampled verifies' accepted counts and next tokens."""
-        plan, first_row = step.plan, step.first_row
-        argmax, *rest = _split(step.readback.tolist(), step.part_sizes)
-        later, (accepted, next_token) = rest[: step.num_chain_forwards], rest[step.num_chain_forwards :] or ([], [])
+        read-back holds, for the first forward, each row's argmax (or draft draw) and the sampled verifies'
+        accepted counts and next tokens; then the draft tokens of each later chain forward (a prefix of the
+        step's draft requests each); then the same three for the verify forward of the step's rounds."""
+        plan, first = step.plan, step.first
+        values = _split(step.readback.tolist(), step.part_sizes)
+        chain_end = 3 + step.num_chain_forwards
+        first_values, later, verify_values = values[:3], values[3:chain_end], values[chain_end:]
         entropies = [] if step.entropies is None else step.entropies.tolist()
+        verify_rows = iter(step.verify.first_row if step.verify is not None else [])
         results = []
-        for index, (item, row) in enumerate(zip(plan.scheduled, first_row, strict=True)):
+        for index, (item, row) in enumerate(zip(plan.scheduled, first.first_row, strict=True)):
             if not item.samples:
                 results.append(StepResult())
             elif item.phase is Phase.DRAFT:
-                tokens = [argmax[row], *(forward[index] for forward in later[: item.chain - 1])]
-                entropy = entropies[row] if entropies else None
-                results.append(StepResult(draft_tokens=tokens, draft_entropy=entropy))
-            else:
-                drafts_made = item.request.round.tokens if item.phase is Phase.VERIFY else []
-                if row in step.sampled_rows:
-                    verify = step.sampled_rows[row]
-                    tokens_out = [*drafts_made[: accepted[verify]], next_token[verify]]
-                    results.append(StepResult(tokens=tokens_out, num_accepted=accepted[verify]))
+                drafts = [first_values[0][row], *(forward[index] for forward in later[: item.chain - 1])]
+                if item.verifies:
+                    result = step.verify.result(next(verify_rows), drafts, *verify_values)
                 else:
-                    num_accepted, tokens_out = accept_greedy(argmax[row : row + len(drafts_made) + 1], drafts_made)
-                    results.append(StepResult(tokens=tokens_out, num_accepted=num_accepted))
+                    result = StepResult(draft_entropy=entropies[row] if entropies else None)
+                result.draft_tokens = drafts
+                results.append(result)
+            else:
+                drafts = item.request.round.tokens if item.phase is Phase.VERIFY else []
+                results.append(first.result(row, drafts, *first_values))
         return results
 
     def _draft_entropies(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
@@ -457,27 +496,38 @@ class Runner:
         return -(log_probs.exp() * log_probs).nan_to_num().sum(dim=-1)
 
     def _accept_sampled(
-        self, verifies: list[tuple[ScheduledRequest, int]], probs: torch.Tensor, prob_index: dict[int, int]
+        self,
+        verifies: list[tuple[int, ScheduledRequest, int]],
+        probs: torch.Tensor,
+        prob_index: np.ndarray,
+        drafted: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rejection sampling of every sampled verify (and final prefill chunk) of the step in one batch:
-        accepted drafts and next token of each, on the device. Sampled drafts' distributions come from the draft-probs
-        store (written by their draft steps); proposed drafts (n-gram) count as point masses."""
-        rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item, _ in verifies]
-        n = max(len(tokens) for tokens in rounds)
+        accepted drafts and next token of each, on the device. ``verifies``: (index in the plan, item, first
+        row); their drafts come from ``drafted`` (rows by plan index) when given, else from the host. Sampled
+        drafts' distributions come from the draft-probs store (written by their draft steps); proposed drafts
+        (n-gram) count as point masses."""
+        counts = [item.num_query_tokens - 1 if item.phase is Phase.VERIFY else 0 for _, item, _ in verifies]
+        if drafted is None:
+            rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for _, item, _ in verifies]
+            n = max(counts)
+            drafts = self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
+        else:
+            drafts = drafted[row_index([index for index, _, _ in verifies], self.device)]
+            n = drafts.shape[1]
         # A verify's rows are consecutive, all sampled (one request's parameters): so are their probs rows.
-        first = self._tensor([prob_index[row] for _, row in verifies])
-        num_drafts = self._tensor([len(tokens) for tokens in rounds])
+        first = self._tensor(prob_index[[row for _, _, row in verifies]])
+        num_drafts = self._tensor(counts)
         steps = torch.arange(n + 1, device=self.device)
         target = probs[first[:, None] + torch.minimum(steps, num_drafts[:, None])]  # padding: the last row again
-        drafts = self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
         if self.policy is not None and self.policy.proposes_tokens:  # proposed drafts: point masses
-            draft_probs = torch.zeros(len(rounds), n, probs.shape[-1], dtype=probs.dtype, device=probs.device)
+            draft_probs = torch.zeros(len(verifies), n, probs.shape[-1], dtype=probs.dtype, device=probs.device)
             draft_probs.scatter_(2, drafts[..., None], (steps[:n] < num_drafts[:, None]).to(probs.dtype)[..., None])
         elif n:
-            rows = [self.table.row(item.request) for item, _ in verifies]
+            rows = [self.table.row(item.request) for _, item, _ in verifies]
             draft_probs = self.draft_probs.read(rows, num_drafts, n, probs.shape[-1])
         else:
-            draft_probs = probs.new_zeros(len(rounds), 0, probs.shape[-1])
+            draft_probs = probs.new_zeros(len(verifies), 0, probs.shape[-1])
         return accept_sampled(target, drafts, draft_probs, num_drafts, self.generator)
 
 
@@ -502,12 +552,31 @@ class _Readback:
 
 
 @dataclass
+class _Pass:
+    """A forward of a step whose verifies the step reads back: each request's first logits row, and where each
+    sampled verify's accepted count and next token sit in the read-back."""
+
+    first_row: list[int]
+    sampled_rows: dict[int, int]  # first row of each sampled verify -> its index in accepted / next_token
+
+    def result(
+        self, row: int, drafts: list[int], argmax: list[int], accepted: list[int], next_token: list[int]
+    ) -> StepResult:
+        """The verified tokens of the request whose rows start at ``row``, given the drafts it checked."""
+        if row in self.sampled_rows:
+            verify = self.sampled_rows[row]
+            return StepResult(tokens=[*drafts[: accepted[verify]], next_token[verify]], num_accepted=accepted[verify])
+        num_accepted, tokens = accept_greedy(argmax[row : row + len(drafts) + 1], drafts)
+        return StepResult(tokens=tokens, num_accepted=num_accepted)
+
+
+@dataclass
 class LaunchedStep:
     """A step queued on the device and not yet read back: what ``Runner.collect`` needs to make its results."""
 
     plan: StepPlan
-    first_row: list[int]  # each request's first logits row
-    sampled_rows: dict[int, int]  # first row of each sampled verify -> its index in accepted / next_token
+    first: _Pass  # the step's first forward (every scheduled request)
+    verify: _Pass | None  # the verify forward of the rounds drafted in this step, in draft order
     part_sizes: list[int]  # lengths of the read-back's parts (see ``Runner.collect``)
     num_chain_forwards: int  # later forwards of the step's draft chains
     readback: _Readback
@@ -523,6 +592,19 @@ class _Picks:
     sampled_rows: dict[int, int]  # first row of each sampled verify -> its index in accepted / next_token
     accepted: torch.Tensor | None  # [sampled verifies]: drafts kept
     next_token: torch.Tensor | None  # [sampled verifies]: the corrected or bonus token
+
+    def parts(self) -> list[torch.Tensor]:
+        """What the step reads back of this forward: tokens, accepted counts, next tokens (empty: none)."""
+        verified = [self.accepted, self.next_token]
+        return [self.tokens, *(self.tokens[:0] if part is None else part for part in verified)]
+
+
+def _sampled_row_count(item: ScheduledRequest) -> int:
+    """Logits rows a scheduled request samples: every row of a verify, one for a draft or a final prompt chunk,
+    none for a prompt chunk short of the end."""
+    if not item.samples:
+        return 0
+    return item.num_query_tokens if item.phase is Phase.VERIFY else 1
 
 
 def _split(values: list[int], sizes: Sequence[int]) -> list[list[int]]:

@@ -3,8 +3,10 @@
 Phases: a request prefills its prompt in chunks, then repeats rounds of up to k *draft* steps (one token,
 sparse attention, or tokens proposed outright) and one *verify* step (the newest accepted token plus the
 drafts, full attention). A round without drafts is a plain decode step, so ``draft=None`` is the same loop.
-With ``draft_chain`` a request runs all of its round's draft steps within one engine step (the runner feeds
-each draft token to the next forward on the device), so a round costs the host two steps, not k + 1.
+With ``draft_chain`` a request runs its whole round within one engine step: its draft forwards back to back
+(the runner feeds each draft token to the next forward on the device), then the verify forward, fed the
+drafts on the device too. A round then costs the host one plan and one read-back, not k + 1, and the GPU
+runs the round's k + 1 forwards without waiting for the host in between.
 
 Delayed verification (``schedule(in_flight=...)``): the engine plans and launches step N + 1 before it reads
 step N back. A request in step N whose result fixes what it does next on the host sits step N + 1 out. One
@@ -44,6 +46,8 @@ class ScheduledRequest:
     # Draft forwards the step runs for a draft request, back to back from ``first_position`` (a draft chain:
     # each feeds the previous draft token on the device); 1 = one draft per step.
     chain: int = 1
+    # A draft chain whose verify runs in the same step, after the chain (the whole round in one step).
+    verifies: bool = False
     # Positions the step still in flight computes before this one (delayed verification): a decode then feeds
     # the token that step emits, on the device and not yet on the host.
     ahead: int = 0
@@ -68,7 +72,7 @@ class ScheduledRequest:
     @property
     def end_position(self) -> int:
         """One past the last position this step computes for the request (its slots must exist)."""
-        return self.first_position + self.num_query_tokens + self.chain - 1
+        return self.first_position + self.num_query_tokens + self.chain - 1 + self.verifies
 
     def advanced(self, steps: int) -> ScheduledRequest:
         """This draft request ``steps`` forwards further along its chain."""
@@ -125,7 +129,7 @@ class Scheduler:
         draft_chain: bool = False,
     ) -> None:
         self.allocator = allocator
-        self.draft_chain = draft_chain  # a request drafts its whole round in one step
+        self.draft_chain = draft_chain  # a request runs its whole round (drafts, verify) in one step
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens
         self.policy = policy
@@ -133,7 +137,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._reserved_slots = 0
-        self._waited: set[int] = set()  # ids of the requests that sat out the last step (see _take_turns)
 
     def add(self, request: Request) -> None:
         """Queue a request; it must fit the pool on its own (the caller checks, with a clear error)."""
@@ -165,8 +168,6 @@ class Scheduler:
                 prefilling.append((request, None, ahead))
             elif self._runs_on(item):
                 decoding.append((request, ScheduledRequest(request, Phase.VERIFY, 1, ahead=ahead)))
-        if self.draft_chain:
-            decoding = self._take_turns(decoding)
         budget = self.max_step_tokens
         scheduled: list[ScheduledRequest] = []
         candidates = [(request, item, 0) for request, item in decoding] + prefilling  # decoding first, order kept
@@ -193,31 +194,16 @@ class Scheduler:
         after the one in flight."""
         return self.policy is None and item.samples and item.request.remaining_tokens > 1
 
-    def _take_turns(self, decoding: list[tuple[Request, ScheduledRequest]]) -> list[tuple[Request, ScheduledRequest]]:
-        """Chains and verifies take turns: in a step where at least half the decoding requests verify, a request
-        ready to chain waits (never two steps in a row), so it then chains with the others. Requests finish
-        their prompts at different steps; left out of phase, the chain forwards after a step's first would
-        each hold only part of the batch, and the GPU would run more, smaller forwards per round."""
-        verifies = sum(item.phase is not Phase.DRAFT for _, item in decoding)
-        waiting = set()
-        if 2 * verifies >= len(decoding):
-            waiting = {
-                id(request)
-                for request, item in decoding
-                if item.phase is Phase.DRAFT and id(request) not in self._waited
-            }
-        self._waited = waiting
-        return [(request, item) for request, item in decoding if id(request) not in waiting]
-
     def _next_step(self, request: Request) -> ScheduledRequest:
         if self.policy is None:  # plain decoding: every step is a one-token verify, rounds never start
             return ScheduledRequest(request, Phase.VERIFY, 1)
         current = request.round
         if current.length is None:
             self._start_round(request)
+        if self.draft_chain and current.length:  # the whole round: every draft, then the verify
+            return ScheduledRequest(request, Phase.DRAFT, 1, current.length, verifies=True)
         if len(current.tokens) < current.length:
-            chain = current.length - len(current.tokens) if self.draft_chain else 1
-            return ScheduledRequest(request, Phase.DRAFT, 1, chain)
+            return ScheduledRequest(request, Phase.DRAFT, 1)
         return ScheduledRequest(request, Phase.VERIFY, 1 + len(current.tokens))
 
     def _start_round(self, request: Request) -> None:
@@ -253,18 +239,19 @@ class Scheduler:
             if item.phase is Phase.DRAFT:
                 current = request.round
                 current.tokens.extend(result.draft_tokens)
-                if result.draft_entropy is not None:
-                    current.entropies.append(result.draft_entropy)
-                if not self.policy.continue_drafting(request):
-                    current.length = len(current.tokens)
-                continue
+                if not item.verifies:
+                    if result.draft_entropy is not None:
+                        current.entropies.append(result.draft_entropy)
+                    if not self.policy.continue_drafting(request):
+                        current.length = len(current.tokens)
+                    continue
             if item.phase is Phase.PREFILL:
                 request.num_computed_tokens += item.num_query_tokens
                 if not item.samples:
                     continue
-            else:
+            else:  # a verify, or a draft chain verified in the same step
                 self._record_round(request, item, result)
-                if self.policy is not None and item.num_query_tokens > 1:
+                if request.round.tokens:
                     self.policy.on_round_end(request, result.num_accepted)
                 # The newest token and the accepted drafts keep their (exact, verified) K/V; the rejected drafts'
                 # slots go back (slots past them belong to the step in flight, if any).
@@ -279,7 +266,7 @@ class Scheduler:
         return finished
 
     def _record_round(self, request: Request, item: ScheduledRequest, result: StepResult) -> None:
-        drafted = item.num_query_tokens - 1
+        drafted = len(request.round.tokens)
         if drafted == 0:
             return
         stats = request.spec_stats

@@ -12,13 +12,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 
-def to_device(values: Sequence[Any], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """``values`` (numbers, or equal-length lists of them) as a tensor on ``device``, copied asynchronously."""
+def to_device(
+    values: Sequence[Any] | np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """``values`` (numbers, equal-length lists of them, or a NumPy array) as a tensor on ``device``, copied
+    asynchronously."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
+    if isinstance(values, np.ndarray):  # torch.tensor cannot pin what it builds from NumPy
+        return torch.from_numpy(values).to(dtype).pin_memory().to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 

@@ -149,6 +149,12 @@ class Recorder:
                 if item.phase is Phase.DRAFT:
                     recorder.draft_items.append((item.chain, len(drafts), item.request.round.length))
                     assert len(result.draft_tokens) == item.chain
+                    if item.verifies:  # the whole round in this step: its verify too
+                        assert not drafts
+                        recorder.verifies.append(
+                            Verify(item.request, first_position, result.draft_tokens, result.num_accepted,
+                                   list(result.tokens))
+                        )  # fmt: skip
                 if item.phase is Phase.VERIFY:
                     assert item.num_query_tokens == 1 + len(drafts)
                     recorder.verifies.append(
@@ -408,11 +414,10 @@ def test_draft_chain_drafts_a_round_in_one_step(policy, baseline, monkeypatch):
     assert steps[True] < steps[False]
 
 
-def test_draft_chains_bring_requests_into_phase(baseline, monkeypatch):
-    """Prompts prefilled 64 tokens a step finish at different steps; with draft chains a request out of phase
-    waits one step, so once every prompt is in, a step chains or verifies, not both (a mixed step would run
-    its later chain forwards with part of the batch), except where a round near the length limit drafts
-    nothing. Tokens stay draft=None's. (Without the turns, 20 of these steps mix.)"""
+def test_draft_chain_runs_whole_rounds_so_requests_never_wait(baseline, monkeypatch):
+    """Prompts prefilled 64 tokens a step finish at different steps; with draft chains every step runs each
+    decoding request's whole round (its drafts, then its verify), so once every prompt is in, each step holds
+    every request still running: none sits a step out to get back in phase. Tokens stay draft=None's."""
     expected = generated_rows(baseline(GQA, BATCH), BATCH)
     wrapped, recorder = _wrap(GQA, monkeypatch, draft="pillar_recent", k=4, max_step_tokens=64, **MEDIUM)
     outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
@@ -420,9 +425,10 @@ def test_draft_chains_bring_requests_into_phase(baseline, monkeypatch):
     check_bookkeeping(wrapped, recorder)
     last_prefill = max(i for i, phases in enumerate(recorder.step_phases) if Phase.PREFILL in phases)
     assert len({len(r) for r in recorder.step_requests[: last_prefill + 1]}) > 1, "prompts finished together"
-    mixed = [i for i, phases in enumerate(recorder.step_phases) if {Phase.DRAFT, Phase.VERIFY} <= phases]
-    assert len([i for i in mixed if i > last_prefill + 2]) <= 1, (last_prefill, mixed)
-    assert len(recorder.step_phases) > last_prefill + 8, "too few steps after the prompts to tell"
+    assert all(made == 0 and forwards == length for forwards, made, length in recorder.draft_items)
+    later = recorder.step_requests[last_prefill + 1 :]
+    assert len(later) > 8, "too few steps after the prompts to tell"
+    assert all(after <= before for before, after in itertools.pairwise(later)), "a request sat a step out"
 
 
 def test_draft_chain_is_refused_for_a_policy_that_decides_between_drafts(tiny_model):

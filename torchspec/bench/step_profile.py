@@ -56,8 +56,9 @@ def profile_steps(
     options = options | {"cuda_graphs": True}  # the decoding steps this profiles are graph replays
     wrapped = sparsespec.wrap(model, draft="pillar_recent", max_batch_size=batch, **options)
     engine = wrapped.engine
-    total = warmup_steps + timed_steps + profile_steps
-    params = SamplingParams(max_new_tokens=4 * total, min_new_tokens=4 * total, do_sample=True, temperature=0.65)
+    # A step emits at most k + 1 tokens per request (a whole round): enough for every step asked for.
+    new_tokens = (engine.config.k + 1) * (warmup_steps + timed_steps + profile_steps)
+    params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=0.65)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(vocab, (batch, prompt_len), generator=generator).tolist()

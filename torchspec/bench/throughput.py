@@ -25,6 +25,7 @@ from torchspec.bench.records import (
     engine_options,
     environment,
 )
+from torchspec.causal_lm import RequestOutput
 from torchspec.config import DRAFT_POLICIES
 from torchspec.models import load_model
 from torchspec.workloads import chat_token_ids, read_prompts
@@ -34,6 +35,11 @@ def _quantiles(values: Sequence[float], levels: Sequence[float]) -> list[float]:
     """Nearest-rank quantiles (1.0: the maximum)."""
     ordered = sorted(values)
     return [ordered[min(len(ordered) - 1, int(level * len(ordered)))] for level in levels]
+
+
+def _request_summary(output: RequestOutput) -> dict[str, float]:
+    stats = output.stats
+    return {"rounds": stats.speculation.num_rounds, "mean_accepted": stats.mean_accepted, "latency_s": stats.latency_s}
 
 
 def measure(
@@ -82,6 +88,8 @@ def measure(
         # The batch's tail: a run lasts as long as its slowest request; per-request spread of both.
         "latency_s_p50_p90_max": _quantiles([o.stats.latency_s for o in outputs], (0.5, 0.9, 1.0)),
         "request_accepted_p10_p50_p90": _quantiles([o.stats.mean_accepted for o in outputs], (0.1, 0.5, 0.9)),
+        # The requests that set the run's length: a round costs about the same for one request as for many.
+        "slowest_requests": [_request_summary(o) for o in sorted(outputs, key=lambda o: o.stats.latency_s)[-2:]],
         "kv_capacity_tokens": wrapped.engine.kv_capacity_tokens,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         **environment(device, next(model.parameters()).dtype),
