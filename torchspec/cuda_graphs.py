@@ -48,6 +48,7 @@ class _StaticStep:
     draft_capacity: int  # entries each draft-list buffer holds
     full_capacity: int
     draft_lists: torch.Tensor | None = None  # [sparse layers, Hkv, capacity]: every layer's draft lists
+    kept_rows: list[int] | None = None  # what ``rows`` holds now (rewritten only when it changes)
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
 
@@ -184,19 +185,28 @@ class StepGraphs:
         metadata: AttentionMetadata,
         rows: Sequence[int],
     ) -> None:
-        """Copy the step into the bucket's buffers (see the module docstring for the layout)."""
+        """Copy the step into the bucket's buffers (see the module docstring for the layout). Copies of empty
+        ranges are skipped and the kept rows are rewritten only when they change: each tensor op costs the host
+        a dispatch, and a round runs k + 1 of these fills."""
         static, drafts, padded_drafts = step.metadata, metadata.num_drafts, step.num_drafts
         tokens = input_ids.shape[1]
         verify_tokens = tokens - drafts
-        for source, target in ((input_ids, step.input_ids), (position_ids, step.position_ids)):
-            target[:, :drafts] = source[:, :drafts]
-            target[:, padded_drafts : padded_drafts + verify_tokens] = source[:, drafts:]
         static.slot_mapping.fill_(self.pool.scratch_slot)
-        static.slot_mapping[:drafts] = metadata.slot_mapping[:drafts]
-        static.slot_mapping[padded_drafts : padded_drafts + verify_tokens] = metadata.slot_mapping[drafts:]
+        for source, target in (
+            (input_ids[0], step.input_ids[0]),
+            (position_ids[0], step.position_ids[0]),
+            (metadata.slot_mapping, static.slot_mapping),
+        ):
+            if drafts:
+                target[:drafts] = source[:drafts]
+            if verify_tokens:
+                target[padded_drafts : padded_drafts + verify_tokens] = source[drafts:]
         shift = padded_drafts - drafts
-        step.rows.zero_()
-        step.rows[: len(rows)] = to_device([row if row < drafts else row + shift for row in rows], self.device)
+        kept = [row if row < drafts else row + shift for row in rows]
+        if kept != step.kept_rows:
+            step.rows.zero_()
+            step.rows[: len(kept)] = to_device(kept, self.device)
+            step.kept_rows = kept
         if drafts:
             lists = metadata.draft[self.first_sparse]
             _copy_padded(static.draft[self.first_sparse].kv_indptr, lists.kv_indptr)

@@ -29,8 +29,7 @@ class DraftProbsStore:
         if not rows:
             return
         self._reserve(max(rows) + 1, probs.shape[-1])
-        index = to_device([rows, draft_indices], self.device)
-        self.probs[index[0], index[1]] = probs
+        self.probs.index_put_(to_device([rows, draft_indices], self.device).unbind(0), probs)
 
     def read(self, rows: Sequence[int], num_drafts: torch.Tensor, width: int, vocab_size: int) -> torch.Tensor:
         """``[J, width, V]``: the first ``num_drafts[j]`` drafts of row ``rows[j]``, zeros past them (a verify

@@ -25,8 +25,8 @@ def suppress_stop_tokens(
     if total:
         row_indices = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
         token_indices = np.fromiter(itertools.chain.from_iterable(stop_token_ids), dtype=np.int64, count=total)
-        index = to_device(np.stack([row_indices, token_indices]), logits.device)
-        logits.index_put_((index[0], index[1]), logits.new_full((total,), float("-inf")))
+        index = to_device(np.stack([row_indices, token_indices]), logits.device).unbind(0)
+        logits.index_put_(index, logits.new_full((total,), float("-inf")))
 
 
 def warp_logits(

@@ -51,17 +51,47 @@ def _tiny_model(seed: int) -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
+#: Runner and graph methods whose tensor ops the op count attributes to them (outermost wins); the rest of a
+#: step's ops (chain and verify assembly, read-back, scheduling) count as "other".
+OP_PARTS = {
+    "runner": ["build_metadata", "_pick", "_learn_from_verify", "_policy_lists"],
+    "graphs": ["_fill", "_run_forward"],
+}
+
+
 class _OpCounter(TorchDispatchMode):
-    """Counts the tensor operations dispatched while active: on a GPU each costs the host a dispatch and
-    usually a kernel launch (~5-20 us), which a CPU run underweights, so the count is reported next to the
-    time as the machine-independent measure of a step's host work."""
+    """Counts the tensor operations dispatched while active, per part of the step: on a GPU each costs the host
+    a dispatch and usually a kernel launch (~5-20 us), which a CPU run underweights, so the count is reported
+    next to the time as the machine-independent measure of a step's host work."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.counts: dict[str, int] = {}
+        self._parts: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts.values())
+
+    def reset(self) -> None:
+        self.counts = {}
+
+    def attribute(self, owner: object, name: str) -> None:
+        """Count the ops of ``owner.name`` (a method, replaced on the instance) under its name."""
+        method = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self._parts.append(self._parts[-1] if self._parts else name.lstrip("_"))
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._parts.pop()
+
+        setattr(owner, name, counted)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        part = self._parts[-1] if self._parts else "other"
+        self.counts[part] = self.counts.get(part, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -106,6 +136,11 @@ def measure(
         return bank_slice("logits", 0, step.input_ids.shape[1])
 
     graphs._run_forward = random_forward
+    counter = _OpCounter()
+    for name in OP_PARTS["runner"]:
+        counter.attribute(engine.runner, name)
+    for name in OP_PARTS["graphs"]:
+        counter.attribute(graphs, name)
     params = SamplingParams(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=temperature > 0, temperature=temperature or 1.0
     )
@@ -116,14 +151,14 @@ def measure(
     step_times: list[float] = []
     step_tokens: list[int] = []
     op_counts: list[int] = []
-    counter = _OpCounter()
+    part_counts: list[dict[str, int]] = []
     steps = iter(engine.steps(requests))
     # Half the steps count ops (the count slows them), the others are timed: chosen at random, because chained
     # drafts and verifies can alternate step by step and a fixed alternation would time only one kind.
     coin = random.Random(seed)
     for _ in tqdm(itertools.count(), desc=f"host steps ({draft})", unit="step"):
         counting = coin.random() < 0.5
-        counter.count = 0
+        counter.reset()
         emitted = sum(request.num_output_tokens for request in requests)
         start = time.perf_counter()
         with counter if counting else contextlib.nullcontext():
@@ -135,6 +170,7 @@ def measure(
         if decoding and len(plan.scheduled) == batch:
             if counting:
                 op_counts.append(counter.count)
+                part_counts.append(counter.counts)
             else:
                 step_times.append(elapsed)
                 step_tokens.append(sum(request.num_output_tokens for request in requests) - emitted)
@@ -147,6 +183,11 @@ def measure(
         "host_ms_per_step": 1e3 * statistics.median(step_times),
         "host_us_per_token": 1e6 * sum(step_times) / max(sum(step_tokens), 1),
         "ops_per_step": statistics.median(op_counts),  # tensor ops dispatched (each a launch or more on a GPU)
+        # Their mean split by part of the step ("run_forward": the random stand-in for the replay).
+        "ops_by_part": {
+            part: sum(counts.get(part, 0) for counts in part_counts) / len(part_counts)
+            for part in sorted({part for counts in part_counts for part in counts})
+        },
         "tokens_per_step": stats.generated_tokens / max(stats.steps, 1),
         "rounds": stats.num_rounds,
         "mean_accepted": stats.mean_accepted,
@@ -180,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"draft={draft} draft_chain={record['draft_chain']}: {record['host_ms_per_step']:.2f} ms of host time "
             f"and {record['ops_per_step']:.0f} tensor ops per step, {record['host_us_per_token']:.0f} us per "
-            f"token, at batch {args.batch}"
+            f"token, at batch {args.batch}; ops by part: "
+            + ", ".join(f"{part} {count:.0f}" for part, count in record["ops_by_part"].items())
         )
         append_record(args.out, record)
 
