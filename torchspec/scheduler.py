@@ -70,6 +70,12 @@ class ScheduledRequest:
         return self.ahead > 0 and self.phase is not Phase.PREFILL
 
     @property
+    def budget_tokens(self) -> int:
+        """Query tokens this request holds in the step's largest forward: its verify when it verifies a chain
+        in the same step, else its own (what the step-token budget counts)."""
+        return 1 + self.chain if self.verifies else self.num_query_tokens
+
+    @property
     def end_position(self) -> int:
         """One past the last position this step computes for the request (its slots must exist)."""
         return self.first_position + self.num_query_tokens + self.chain - 1 + self.verifies
@@ -177,9 +183,9 @@ class Scheduler:
                     break
                 size = min(request.num_pending_tokens - ahead, budget)
                 item = ScheduledRequest(request, Phase.PREFILL, size, ahead=ahead)
-            elif item.num_query_tokens > budget and scheduled:
+            elif item.budget_tokens > budget and scheduled:
                 break
-            budget = max(0, budget - item.num_query_tokens)
+            budget = max(0, budget - item.budget_tokens)
             missing = item.end_position - len(request.slots)  # slots up to the last position computed
             if missing > 0:
                 request.slots.extend(self.allocator.allocate(missing))

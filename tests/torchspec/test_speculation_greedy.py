@@ -431,6 +431,29 @@ def test_draft_chain_runs_whole_rounds_so_requests_never_wait(baseline, monkeypa
     assert all(after <= before for before, after in itertools.pairwise(later)), "a request sat a step out"
 
 
+def test_whole_rounds_keep_every_forward_within_the_step_token_budget(baseline, monkeypatch):
+    """A round verified in the step that drafted it counts its verify's tokens (1 + drafts) against
+    ``max_step_tokens``: the step's verify forward, its largest, holds at most the budget (here 12 tokens for
+    4 requests of k=4 rounds, all decoding together after short prompts: at most two rounds per step), and
+    tokens stay draft=None's."""
+    batch = MixedBatch((9, 10, 11, 12))
+    expected = generated_rows(baseline(GQA, batch), batch)
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft="pillar_recent", k=4, max_step_tokens=12, **DENSE)
+    runner, sizes = wrapped.engine.runner, []
+    forward = runner._forward
+
+    def spy_forward(plan, input_ids, *args):
+        sizes.append(input_ids.shape[1])
+        return forward(plan, input_ids, *args)
+
+    monkeypatch.setattr(runner, "_forward", spy_forward)
+    outputs = wrapped.generate_batch(batch.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    assert [o.token_ids for o in outputs] == expected
+    check_bookkeeping(wrapped, recorder)
+    assert any(size > 5 for size in sizes), "no verify forward held two rounds"
+    assert max(sizes) <= 12, max(sizes)
+
+
 def test_draft_chain_is_refused_for_a_policy_that_decides_between_drafts(tiny_model):
     """sparsespec_l ends a round by each draft's entropy, read on the host after every draft step: it runs one
     draft per step by default, and ``draft_chain=True`` names why it cannot."""
