@@ -417,18 +417,19 @@ class Runner:
         items = plan.scheduled
         num_items = len(items)
         params = [item.request.params for item in items]
-        # Rows each request samples (all of a verify's, a draft's or final prompt chunk's one, else none), and
-        # the output index of the token sampled after its first one (from positions alone: the host's token
-        # list may lag the step in flight).
-        counts = np.fromiter((_sampled_row_count(item) for item in items), dtype=np.int64, count=num_items)
+        # Rows each request samples (its first row to the next request's: ``logits`` holds sampled rows only),
+        # and the output index of the token sampled after its first one (from positions alone: the host's
+        # token list may lag the step in flight).
+        first = np.asarray(first_row, dtype=np.int64)
+        counts = np.diff(first, append=logits.shape[0])
         ends = (item.first_position + item.num_query_tokens - item.request.num_prompt_tokens for item in items)
         bases = np.fromiter(ends, np.int64, num_items) + 1 - counts
         owner = np.repeat(np.arange(num_items), counts)  # the request of each row
-        first = np.asarray(first_row, dtype=np.int64)
         row_number = np.arange(owner.size) - first[owner]  # the row's index within its request's rows
         min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, num_items)
         below_minimum = np.flatnonzero(bases[owner] + row_number < min_new[owner])
-        suppress_stop_tokens(logits, below_minimum, [params[i].stop_token_ids for i in owner[below_minimum]])
+        stops = [p.stop_token_ids for p in params]
+        suppress_stop_tokens(logits, below_minimum, [stops[i] for i in owner[below_minimum].tolist()])
         greedy = np.fromiter((p.greedy for p in params), bool, num_items)
         sampled_rows = np.flatnonzero(~greedy[owner])
         prob_index = np.full(owner.size, -1, dtype=np.int64)  # each sampled row's row in ``probs``

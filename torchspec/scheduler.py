@@ -70,10 +70,10 @@ class ScheduledRequest:
         return self.ahead > 0 and self.phase is not Phase.PREFILL
 
     @property
-    def budget_tokens(self) -> int:
-        """Query tokens this request holds in the step's largest forward: its verify when it verifies a chain
-        in the same step, else its own (what the step-token budget counts)."""
-        return 1 + self.chain if self.verifies else self.num_query_tokens
+    def verify_tokens(self) -> int:
+        """Query tokens this request holds in the verify forward of its step's rounds (a chain verified in the
+        same step: its newest token and drafts; else none)."""
+        return 1 + self.chain if self.verifies else 0
 
     @property
     def end_position(self) -> int:
@@ -174,7 +174,9 @@ class Scheduler:
                 prefilling.append((request, None, ahead))
             elif self._runs_on(item):
                 decoding.append((request, ScheduledRequest(request, Phase.VERIFY, 1, ahead=ahead)))
-        budget = self.max_step_tokens
+        # Each forward of the step holds at most max_step_tokens: the first (drafts, verifies, prompt chunks) and
+        # the verify forward of the rounds drafted in the step.
+        budget = verify_budget = self.max_step_tokens
         scheduled: list[ScheduledRequest] = []
         candidates = [(request, item, 0) for request, item in decoding] + prefilling  # decoding first, order kept
         for request, item, ahead in candidates:
@@ -183,9 +185,10 @@ class Scheduler:
                     break
                 size = min(request.num_pending_tokens - ahead, budget)
                 item = ScheduledRequest(request, Phase.PREFILL, size, ahead=ahead)
-            elif item.budget_tokens > budget and scheduled:
+            elif (item.num_query_tokens > budget or item.verify_tokens > verify_budget) and scheduled:
                 break
-            budget = max(0, budget - item.budget_tokens)
+            budget = max(0, budget - item.num_query_tokens)
+            verify_budget -= item.verify_tokens
             missing = item.end_position - len(request.slots)  # slots up to the last position computed
             if missing > 0:
                 request.slots.extend(self.allocator.allocate(missing))
