@@ -65,7 +65,9 @@ class SpecConfig:
             this tree's first H200 run plain decoding with it took 41.6 ms per step against 12.5 without
             (256 x 1,024 tokens, docs/performance.md): opt-in until that is understood.
         cuda_graphs: replay the forward of decoding steps (drafts, verifies, plain decodes, any mix) from CUDA
-            graphs captured per padded (drafts, verifies) bucket; on a CPU the same padded static path runs
+            graphs captured per padded (drafts, verifies) bucket, and the later forwards of a round's draft
+            chains with their sampling as one graph per bucket (torchspec/chain_graphs.py: temperature-only
+            sampling, no sliding windows); on a CPU the same padded static path runs
             without capture (same tokens). ``None`` = on with CUDA (measured on the H200: 2.4x for plain
             decoding, 1.7x with speculation, docs/performance.md), off elsewhere and with the reference
             attention backend (it reads the lists on the host, which a capture cannot hold).

@@ -21,12 +21,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 from torchspec.kv_cache import KVPool
 from torchspec.transfer import to_device
+
+T = TypeVar("T")
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -230,18 +233,7 @@ class StepGraphs:
         return output.logits[0]
 
     def _capture(self, step: _StaticStep) -> None:
-        """Warm up on a side stream (kernels compile, allocators settle), then capture. The warm-up runs the
-        step itself, writing the same K/V the replay writes again."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run_forward(step)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # a private memory pool: a re-captured bucket frees its old graph safely
-            step.logits = self._run_forward(step)
-        step.graph = graph
+        step.graph, step.logits = capture_graph(lambda: self._run_forward(step))
 
     def replay_latest(self, repeats: int) -> None:
         """Replay the latest bucket's graph ``repeats`` times back to back, with no host work in between (for
@@ -262,6 +254,23 @@ class StepGraphs:
     @property
     def num_captured(self) -> int:
         return sum(step.graph is not None for step in self._steps.values())
+
+
+def capture_graph(run: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture ``run`` (fixed-address inputs and outputs) as a CUDA graph, after two warm-up runs on a side
+    stream (kernels compile, allocators settle); returns the graph and the captured run's output. The warm-up
+    runs do what a replay does (same writes), so they are harmless. Each graph gets a private memory pool, so a
+    re-captured bucket frees its old graph safely."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = run()
+    return graph, output
 
 
 def _copy_padded(target: torch.Tensor, source: torch.Tensor) -> None:

@@ -28,19 +28,19 @@ class DraftProbsStore:
         """Store ``probs[i]`` as draft ``draft_indices[i]`` of the request in slot-table row ``rows[i]``."""
         if not rows:
             return
-        self._reserve(max(rows) + 1, probs.shape[-1])
+        self.reserve(max(rows) + 1, probs.shape[-1])
         self.probs.index_put_(to_device([rows, draft_indices], self.device).unbind(0), probs)
 
     def read(self, rows: Sequence[int], num_drafts: torch.Tensor, width: int, vocab_size: int) -> torch.Tensor:
         """``[J, width, V]``: the first ``num_drafts[j]`` drafts of row ``rows[j]``, zeros past them (a verify
         without drafts, e.g. a final prompt chunk, may sit in a row no draft step wrote yet)."""
-        self._reserve(max(rows) + 1, vocab_size)
+        self.reserve(max(rows) + 1, vocab_size)
         index = to_device(rows, self.device)
         stored = self.probs[index, :width]
         present = torch.arange(width, device=self.device) < num_drafts[:, None]
         return torch.where(present[..., None], stored, 0.0)
 
-    def _reserve(self, rows: int, vocab_size: int) -> None:
+    def reserve(self, rows: int, vocab_size: int) -> None:
         """Room for ``rows`` rows of ``vocab_size`` entries (rows double; what the buffer held is kept)."""
         if self.probs is not None and rows <= self.probs.shape[0] and vocab_size == self.probs.shape[-1]:
             return

@@ -14,6 +14,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from torchspec.chain_graphs import ChainGraphs, ChainInputs
 from torchspec.cuda_graphs import StepGraphs
 from torchspec.draft_probs import DraftProbsStore
 from torchspec.drafting import DraftPolicy
@@ -65,6 +66,19 @@ class Runner:
             scores = policy is not None and policy.uses_verify_scores
             verify_tokens = self.num_draft_slots + 1
             self.graphs = StepGraphs(self.forward, pool, ops, sparse, verify_tokens, scores, max_batch_size, device)
+        # The later forwards of draft chains as one graph per bucket: policies whose lists the runner builds,
+        # models without sliding windows, and (when capturing) the default generator, which graphs replay.
+        self.max_batch_size = max_batch_size
+        self.chain_graphs = None
+        if (
+            cuda_graphs
+            and policy is not None
+            and policy.sparse_layers
+            and not policy.selects_in_attention
+            and not self.windows
+            and (generator is None or device.type != "cuda")
+        ):
+            self.chain_graphs = ChainGraphs(self.graphs, self.num_draft_slots, generator)
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return to_device(values, self.device)
@@ -237,10 +251,7 @@ class Runner:
         picks = self._pick(plan, logits, first_row)
         drafts = plan.scheduled[: plan.num_drafts]
         chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
-        for later, position_ids, metadata in self._chain_forwards(drafts):
-            input_ids = chain[-1][None, : len(later.scheduled)]  # a prefix: drafts are sorted longest chain first
-            logits, rows = self._forward(later, input_ids, position_ids, metadata)
-            chain.append(self._pick(later, logits, rows).tokens)
+        chain += self._later_drafts(drafts, chain[0], logits.shape[-1])
         if self.feeds_next_step:
             self._keep_last_tokens(plan, first_row, picks)
         parts = [*picks.parts(), *chain[1:]]
@@ -308,15 +319,17 @@ class Runner:
             index = self._tensor([sampled, sampled_table_rows])
             self.table.last_tokens[index[1]] = picks.next_token[index[0]]
 
-    def _chain_forwards(
-        self, drafts: Sequence[ScheduledRequest]
-    ) -> Iterator[tuple[StepPlan, torch.Tensor, AttentionMetadata]]:
-        """Plans, positions and metadata of the later forwards of the step's draft chains (forward j holds the
-        drafts whose chain is longer than j), built together: one slot-table write and one draft-list build
-        for all of them, then views per forward (a forward of its own costs the host tens of tensor ops)."""
+    def _later_drafts(
+        self, drafts: Sequence[ScheduledRequest], first: torch.Tensor, vocab_size: int
+    ) -> list[torch.Tensor]:
+        """The tokens of the later forwards of the step's draft chains (forward j holds the drafts whose chain
+        is longer than j: a prefix, as drafts are sorted longest chain first), each forward fed the previous
+        one's tokens on the device. Their slots and draft lists are built together (one slot-table write and
+        one list build for all forwards); then one chain-graph replay runs them all where it can, else one
+        forward per draft."""
         longest = max((item.chain for item in drafts), default=1)
         if longest == 1:
-            return
+            return []
         plans = [StepPlan([item.advanced(j) for item in drafts if item.chain > j]) for j in range(1, longest)]
         flat = [item for later in plans for item in later.scheduled]
         positions = [item.first_position for item in flat]
@@ -325,6 +338,87 @@ class Runner:
         lists, offsets = None, None
         if not self.policy.selects_in_attention:
             lists, offsets = self._policy_lists(flat)
+        if self._chain_graph_runs(drafts):
+            self.draft_probs.reserve(self.max_batch_size + 1, vocab_size)  # a fixed store the graph writes
+            inputs = self._chain_inputs(drafts, plans, first, lists, offsets)
+            tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
+            return [tokens[j, : len(later.scheduled)] for j, later in enumerate(plans)]
+        chain = [first]
+        for later, position_ids, metadata in self._chain_metadata(drafts, plans, layout, lists, offsets):
+            input_ids = chain[-1][None, : len(later.scheduled)]
+            logits, rows = self._forward(later, input_ids, position_ids, metadata)
+            chain.append(self._pick(later, logits, rows).tokens)
+        return chain[1:]
+
+    def _chain_graph_runs(self, drafts: Sequence[ScheduledRequest]) -> bool:
+        """Whether this step's chains replay from the chain graph: sampling by temperature alone, and every
+        request in a row the fixed draft-probs store holds."""
+        if self.chain_graphs is None:
+            return False
+        params = [item.request.params for item in drafts]
+        plain_sampling = all(p.greedy or (p.top_k == 0 and p.top_p == 1.0) for p in params)
+        return plain_sampling and all(self.table.row(item.request) < self.max_batch_size for item in drafts)
+
+    def _chain_inputs(
+        self,
+        drafts: Sequence[ScheduledRequest],
+        plans: Sequence[StepPlan],
+        first: torch.Tensor,
+        lists: KVView,
+        offsets: list[int],
+    ) -> ChainInputs:
+        """The round's chain inputs (see ``ChainInputs``), sent in two copies (integers, temperatures)."""
+        count, later = len(drafts), self.num_draft_slots - 1
+        scratch = self.pool.scratch_slot
+        positions, slots, indptr = [], [], []
+        start = 0
+        for j in range(1, later + 1):
+            active = len(plans[j - 1].scheduled) if j <= len(plans) else 0
+            for item in drafts:
+                on = item.chain > j
+                positions.append(item.first_position + j if on else 0)
+                slots.append(item.request.slots[item.first_position + j] if on else scratch)
+            end = start + active
+            indptr += offsets[start:end] + [offsets[end]] * (count + 1 - active)
+            start = end
+        params = [item.request.params for item in drafts]
+        width = max(1, max(len(p.stop_token_ids) for p in params))
+        stops, until = [], []
+        for item, p in zip(drafts, params, strict=True):
+            ids = list(p.stop_token_ids) or [0]
+            stops += ids + [ids[0]] * (width - len(ids))
+            first_output = item.first_position + 1 - item.request.num_prompt_tokens
+            until.append(p.min_new_tokens - first_output if p.stop_token_ids else 0)
+        greedy = [int(p.greedy) for p in params]
+        rows = [self.table.row(item.request) for item in drafts]
+        values = self._tensor([*positions, *slots, *indptr, *until, *stops, *rows, *greedy])
+        sizes = [later * count, later * count, later * (count + 1), count, count * width, count, count]
+        positions_t, slots_t, indptr_t, until_t, stops_t, rows_t, greedy_t = values.split(sizes)
+        temperature = to_device([1.0 if p.greedy else p.temperature for p in params], self.device, torch.float32)
+        return ChainInputs(
+            first_tokens=first,
+            positions=positions_t.view(later, count),
+            slots=slots_t.view(later, count),
+            indptr=indptr_t.view(later, count + 1),
+            lists=lists.kv_indices,
+            max_list_len=lists.max_len,
+            temperature=temperature,
+            greedy=greedy_t.bool(),
+            suppress_until=until_t,
+            stop_tokens=stops_t.view(count, width),
+            store_rows=rows_t,
+        )
+
+    def _chain_metadata(
+        self,
+        drafts: Sequence[ScheduledRequest],
+        plans: Sequence[StepPlan],
+        layout: torch.Tensor,
+        lists: KVView | None,
+        offsets: list[int] | None,
+    ) -> Iterator[tuple[StepPlan, torch.Tensor, AttentionMetadata]]:
+        """Plans, positions and metadata of the later forwards of the step's draft chains, one forward each:
+        views into the lists and layout built for all of them."""
         counting = torch.arange(len(drafts) + 1, device=self.device)
         no_verifies = KVView(counting[:1], counting[:0], 0)
         start = 0

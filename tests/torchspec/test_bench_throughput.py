@@ -79,8 +79,10 @@ def test_host_step_times_decoding_steps_without_a_forward():
     assert speculative["ops_per_step"] > 0
     assert speculative["rounds"] > 0 and plain["rounds"] == 0
     parts = speculative["ops_by_part"]  # a round selects tokens, builds draft lists and learns from its verify
-    assert {"pick", "build_metadata", "policy_lists", "learn_from_verify", "fill", "other"} <= set(parts)
-    assert abs(sum(parts.values()) - speculative["ops_per_step"]) < 0.5 * speculative["ops_per_step"]
+    assert {"token selection", "step metadata", "draft lists", "verify learning", "graph inputs"} <= set(parts)
+    assert parts["chain replay (stand-in)"] > 0  # the chain's later forwards ran from the chain graph
+    host_parts = sum(n for part, n in parts.items() if "replay" not in part)
+    assert abs(host_parts - speculative["ops_per_step"]) < 0.5 * speculative["ops_per_step"]
 
 
 def test_step_profile_times_and_profiles_speculative_steps():

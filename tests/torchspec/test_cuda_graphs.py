@@ -59,11 +59,14 @@ def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
     wrapped = sparsespec.wrap(spec.build(), draft=draft, cuda_graphs=True, **OPTIONS)
     actual = wrapped.generate(**batch.kwargs(), max_new_tokens=24, do_sample=False)
     assert torch.equal(expected, actual)
-    buckets = set(wrapped.engine.runner.graphs._steps)  # (padded drafts, padded verifies)
+    runner = wrapped.engine.runner
+    buckets = set(runner.graphs._steps)  # (padded drafts, padded verifies)
     if draft is None:
         assert (0, 4) in buckets and all(drafts == 0 for drafts, _ in buckets), buckets
+        assert runner.chain_graphs is None
     else:
         assert any(drafts and verifies for drafts, verifies in buckets), buckets
+        assert runner.chain_graphs._steps, "no draft chain ran through the chain graph"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -79,4 +82,7 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft):
     wrapped = sparsespec.wrap(model, draft=draft, cuda_graphs=True, **options)
     actual = wrapped.generate(**inputs, max_new_tokens=40, do_sample=False)
     assert torch.equal(expected, actual)
-    assert wrapped.engine.runner.graphs.num_captured > 0
+    runner = wrapped.engine.runner
+    assert runner.graphs.num_captured > 0
+    if draft is not None:  # the chains' later forwards replayed from their own graph
+        assert any(step.graph is not None for step in runner.chain_graphs._steps.values())

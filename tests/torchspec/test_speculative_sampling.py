@@ -321,6 +321,7 @@ def _wrap(
     max_new_tokens: int,
     draft_chain: bool | None = None,
     delayed_verify: bool | None = None,
+    cuda_graphs: bool | None = None,
 ):
     """A fresh model wrapped so all samples are one batch: prefill in one step, decode in lockstep."""
     return sparsespec.wrap(
@@ -328,6 +329,7 @@ def _wrap(
         draft=draft,
         draft_chain=draft_chain,
         delayed_verify=delayed_verify,
+        cuda_graphs=cuda_graphs,
         k=K,
         min_budget=4,  # pillar drafts attend to 1 Top-K position + those since the verify: far from the target
         sparsity=0.05,
@@ -348,18 +350,24 @@ def generate(wrapped: Any, seed: int, prompt: Sequence[int], num_samples: int, m
 
 @functools.cache
 def sampled_tokens(
-    draft: str | None, sampling: str, draft_chain: bool | None = None, delayed_verify: bool | None = None
+    draft: str | None,
+    sampling: str,
+    draft_chain: bool | None = None,
+    delayed_verify: bool | None = None,
+    cuda_graphs: bool | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """``[NUM_SAMPLES, NEW_TOKENS]`` tokens sampled by the engine from PROMPT, and the run's stats.
 
     Each setting gets its own seed, so the samples of different settings are independent.
     """
     seeds = {(None, None, None): 0, ("pillar", None, None): 1, ("ngram", None, None): 2, ("pillar", False, None): 3}
-    seed = seeds.get((draft, draft_chain, delayed_verify), 6)
-    wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS, draft_chain, delayed_verify)
+    seed = seeds.get((draft, draft_chain, delayed_verify), 6) + (7 if cuda_graphs else 0)
+    wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS, draft_chain, delayed_verify, cuda_graphs)
     assert wrapped.engine.draft_chain is (draft == "pillar" and draft_chain is None)
     assert wrapped.engine.delayed_verify is (draft is None and delayed_verify is not False)
     outputs = generate(wrapped, seed, PROMPT, NUM_SAMPLES, NEW_TOKENS, **SAMPLING[sampling])
+    if cuda_graphs and SAMPLING[sampling]["top_k"] == 0 and SAMPLING[sampling]["top_p"] == 1.0:
+        assert wrapped.engine.runner.chain_graphs._steps, "the chains did not run through the chain graph"
     stats = wrapped.last_stats
     assert all(len(o.token_ids) == NEW_TOKENS and o.finish_reason == "length" for o in outputs)
     return torch.tensor([o.token_ids for o in outputs]), stats
@@ -401,21 +409,22 @@ def test_plain_sampling_matches_the_exact_distribution(sampling, delayed_verify)
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize(
-    ("draft", "draft_chain"),
-    [("pillar", None), ("pillar", False), ("ngram", None)],
-    ids=["pillar", "pillar-stepwise", "ngram"],
+    ("draft", "draft_chain", "cuda_graphs"),
+    [("pillar", None, None), ("pillar", None, True), ("pillar", False, None), ("ngram", None, None)],
+    ids=["pillar", "pillar-graphs", "pillar-stepwise", "ngram"],
 )
-def test_speculative_sampling_is_lossless(draft, draft_chain, sampling):
+def test_speculative_sampling_is_lossless(draft, draft_chain, cuda_graphs, sampling):
     """Speculative decoding samples exactly the target distribution: 1200 samples of the first 4 tokens from one
     prompt (token 1 from the prefill, tokens 2-3 drafted and verified, token 4 a bonus or a new round), each
     token and each adjacent pair against the exact distribution, and tokens 1 and 1-2 against draft=None samples
     (two-sample chi-square). Bonferroni over the 9 comparisons. PillarAttn runs both ways: a round's drafts
-    chained in one step (sampled on the device, each fed to the next forward) and one draft per step.
+    chained in one step (sampled on the device, each fed to the next forward), the same through the padded
+    static path of CUDA graphs (its chain graph samples temperature-only settings itself), and one draft per step.
 
     The rejection rate must be strictly between 0 and 1 (pillar with min_budget=4 attends to ~4 of 12+
     positions; n-gram proposals come from the prompt's repeats), else acceptance or rejection goes untested.
     """
-    tokens, stats = sampled_tokens(draft, sampling, draft_chain)
+    tokens, stats = sampled_tokens(draft, sampling, draft_chain, cuda_graphs=cuda_graphs)
     plain, _ = sampled_tokens(None, sampling)
     rejection_rate = 1 - stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
     assert stats.num_rounds >= NUM_SAMPLES // 2, f"only {stats.num_rounds} speculation rounds"
@@ -426,7 +435,8 @@ def test_speculative_sampling_is_lossless(draft, draft_chain, sampling):
     p_values["t1t2 vs draft=None"] = two_sample(counts.sum((2, 3)), plain_counts.sum((2, 3)))
     assert_p_values(
         p_values,
-        f"{draft} chain={draft_chain} {sampling} ({stats.num_rounds} rounds, rejection rate {rejection_rate:.3f})",
+        f"{draft} chain={draft_chain} graphs={cuda_graphs} {sampling} ({stats.num_rounds} rounds, "
+        f"rejection rate {rejection_rate:.3f})",
     )
 
 

@@ -9,7 +9,8 @@ goes through the padded static path of ``cuda_graphs=True`` with the forward swa
 random verify scores); the static buffers are filled as for a replay. The vocabulary is small on purpose: on a
 GPU the work over the whole vocabulary (softmax, sampling) is device time, not host time, and on a CPU it
 would swamp what this measures. Reported: the median wall time of full-batch decoding steps (everything the engine
-does per step; every other step) and the median count of tensor ops the other steps dispatch.
+does per step, the stand-ins for graph replays included; every other step), the median count of tensor ops the
+other steps dispatch outside the replays, and all their ops split by part of the step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import itertools
 import random
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -51,12 +53,20 @@ def _tiny_model(seed: int) -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
-#: Runner and graph methods whose tensor ops the op count attributes to them (outermost wins); the rest of a
-#: step's ops (chain and verify assembly, read-back, scheduling) count as "other".
+#: Methods whose tensor ops the op count attributes to a part of the step (outermost wins), per owner; the rest
+#: (chain and verify assembly, read-back, scheduling) count as "other". The replays' parts are what a GPU
+#: runs inside a CUDA graph: their ops cost the host nothing there.
 OP_PARTS = {
-    "runner": ["build_metadata", "_pick", "_learn_from_verify", "_policy_lists"],
-    "graphs": ["_fill", "_run_forward"],
+    "runner": {
+        "build_metadata": "step metadata",
+        "_pick": "token selection",
+        "_learn_from_verify": "verify learning",
+        "_policy_lists": "draft lists",
+    },
+    "graphs": {"_fill": "graph inputs", "_run_forward": "replay (stand-in)"},
+    "chain_graphs": {"_fill": "chain graph inputs", "_run": "chain replay (stand-in)"},
 }
+REPLAYED_PARTS = {"replay (stand-in)", "chain replay (stand-in)"}  # not counted in ops_per_step
 
 
 class _OpCounter(TorchDispatchMode):
@@ -76,12 +86,12 @@ class _OpCounter(TorchDispatchMode):
     def reset(self) -> None:
         self.counts = {}
 
-    def attribute(self, owner: object, name: str) -> None:
-        """Count the ops of ``owner.name`` (a method, replaced on the instance) under its name."""
+    def attribute(self, owner: object, name: str, label: str) -> None:
+        """Count the ops of ``owner.name`` (a method, replaced on the instance) under ``label``."""
         method = getattr(owner, name)
 
         def counted(*args, **kwargs):
-            self._parts.append(self._parts[-1] if self._parts else name.lstrip("_"))
+            self._parts.append(self._parts[-1] if self._parts else label)
             try:
                 return method(*args, **kwargs)
             finally:
@@ -136,11 +146,17 @@ def measure(
         return bank_slice("logits", 0, step.input_ids.shape[1])
 
     graphs._run_forward = random_forward
+    chain_graphs = engine.runner.chain_graphs
+    if chain_graphs is not None:  # its forwards too: random logits of the bucket's rows
+        chain_graphs.forward = lambda input_ids, **_: SimpleNamespace(
+            logits=bank_slice("logits", 0, input_ids.shape[1])[None]
+        )
     counter = _OpCounter()
-    for name in OP_PARTS["runner"]:
-        counter.attribute(engine.runner, name)
-    for name in OP_PARTS["graphs"]:
-        counter.attribute(graphs, name)
+    owners = {"runner": engine.runner, "graphs": graphs, "chain_graphs": chain_graphs}
+    for owner, parts in OP_PARTS.items():
+        for name, label in parts.items():
+            if owners[owner] is not None:
+                counter.attribute(owners[owner], name, label)
     params = SamplingParams(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=temperature > 0, temperature=temperature or 1.0
     )
@@ -169,7 +185,8 @@ def measure(
         decoding = all(item.phase is not Phase.PREFILL for item in plan.scheduled)
         if decoding and len(plan.scheduled) == batch:
             if counting:
-                op_counts.append(counter.count)
+                replayed = sum(n for part, n in counter.counts.items() if part in REPLAYED_PARTS)
+                op_counts.append(counter.count - replayed)
                 part_counts.append(counter.counts)
             else:
                 step_times.append(elapsed)
@@ -182,7 +199,8 @@ def measure(
         "draft_chain": engine.draft_chain,
         "host_ms_per_step": 1e3 * statistics.median(step_times),
         "host_us_per_token": 1e6 * sum(step_times) / max(sum(step_tokens), 1),
-        "ops_per_step": statistics.median(op_counts),  # tensor ops dispatched (each a launch or more on a GPU)
+        # Tensor ops the host dispatches (each a launch or more on a GPU), the replays' stand-ins left out.
+        "ops_per_step": statistics.median(op_counts),
         # Their mean split by part of the step ("run_forward": the random stand-in for the replay).
         "ops_by_part": {
             part: sum(counts.get(part, 0) for counts in part_counts) / len(part_counts)
