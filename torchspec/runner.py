@@ -340,7 +340,7 @@ class Runner:
             lists, offsets = self._policy_lists(flat)
         if self._chain_graph_runs(drafts):
             self.draft_probs.reserve(self.max_batch_size + 1, vocab_size)  # a fixed store the graph writes
-            inputs = self._chain_inputs(drafts, plans, first, lists, offsets)
+            inputs = self._chain_inputs(drafts, plans, first, layout, lists, offsets)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
             return [tokens[j, : len(later.scheduled)] for j, later in enumerate(plans)]
         chain = [first]
@@ -364,20 +364,19 @@ class Runner:
         drafts: Sequence[ScheduledRequest],
         plans: Sequence[StepPlan],
         first: torch.Tensor,
+        layout: torch.Tensor,
         lists: KVView,
         offsets: list[int],
     ) -> ChainInputs:
-        """The round's chain inputs (see ``ChainInputs``), sent in two copies (integers, temperatures)."""
+        """The round's chain inputs (see ``ChainInputs``), sent in two copies (integers, temperatures); the
+        positions and slots are the chain ``layout`` (``[2, forwards' requests]``, already on the device)
+        spread into one row per forward."""
         count, later = len(drafts), self.num_draft_slots - 1
-        scratch = self.pool.scratch_slot
-        positions, slots, indptr = [], [], []
+        targets, indptr = [], []  # each layout entry's place in the [later, count] grid; per-forward offsets
         start = 0
-        for j in range(1, later + 1):
-            active = len(plans[j - 1].scheduled) if j <= len(plans) else 0
-            for item in drafts:
-                on = item.chain > j
-                positions.append(item.first_position + j if on else 0)
-                slots.append(item.request.slots[item.first_position + j] if on else scratch)
+        for j in range(later):
+            active = len(plans[j].scheduled) if j < len(plans) else 0
+            targets += range(j * count, j * count + active)
             end = start + active
             indptr += offsets[start:end] + [offsets[end]] * (count + 1 - active)
             start = end
@@ -391,14 +390,17 @@ class Runner:
             until.append(p.min_new_tokens - first_output if p.stop_token_ids else 0)
         greedy = [int(p.greedy) for p in params]
         rows = [self.table.row(item.request) for item in drafts]
-        values = self._tensor([*positions, *slots, *indptr, *until, *stops, *rows, *greedy])
-        sizes = [later * count, later * count, later * (count + 1), count, count * width, count, count]
-        positions_t, slots_t, indptr_t, until_t, stops_t, rows_t, greedy_t = values.split(sizes)
+        values = self._tensor([*targets, *indptr, *until, *stops, *rows, *greedy])
+        sizes = [len(targets), later * (count + 1), count, count * width, count, count]
+        targets_t, indptr_t, until_t, stops_t, rows_t, greedy_t = values.split(sizes)
+        grid = layout.new_zeros(2, later * count)  # padding: position 0, the scratch slot
+        grid[1] = self.pool.scratch_slot
+        grid[:, targets_t] = layout
         temperature = to_device([1.0 if p.greedy else p.temperature for p in params], self.device, torch.float32)
         return ChainInputs(
             first_tokens=first,
-            positions=positions_t.view(later, count),
-            slots=slots_t.view(later, count),
+            positions=grid[0].view(later, count),
+            slots=grid[1].view(later, count),
             indptr=indptr_t.view(later, count + 1),
             lists=lists.kv_indices,
             max_list_len=lists.max_len,
