@@ -15,7 +15,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from torchspec.config import SpecConfig
 from torchspec.drafting import POLICIES
-from torchspec.engine import Engine, use_draft_chain
+from torchspec.engine import Engine, use_adaptive_rounds, use_draft_chain
 from torchspec.generation_config import infer_attention_mask, resolve_generation_config
 from torchspec.hf import probe_attention_layers
 from torchspec.models import find_tokenizer
@@ -51,7 +51,9 @@ class SparseSpecForCausalLM(torch.nn.Module):
         self.tokenizer = tokenizer
         self._tokenizer_searched = tokenizer is not None
         self.layers = probe_attention_layers(model)
-        use_draft_chain(config.draft_chain, POLICIES.get(config.draft))  # refuse a bad pairing now, not at first use
+        # Refuse a bad pairing now, not at first use.
+        draft_chain = use_draft_chain(config.draft_chain, POLICIES.get(config.draft))
+        use_adaptive_rounds(config.adaptive_rounds, draft_chain, self.device)
         self.last_stats = GenerationStats()
         self._engine: Engine | None = None
 

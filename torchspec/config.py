@@ -78,6 +78,11 @@ class SpecConfig:
             step, so each forward holds the whole batch. Same tokens as one draft per step (greedy) and the
             same distribution (sampling). ``None`` = on, except for policies that decide after each draft
             whether to draft another (``sparsespec_l``: by its entropy, read on the host).
+        adaptive_rounds: choose each step's round length (0 to k drafts) for the most tokens per millisecond, from
+            each request's recent acceptance and the measured cost of rounds and plain steps at its batch size
+            (torchspec/round_length.py): a round where drafts cost about what a plain step does (few requests,
+            short context) gives way to plain decoding. Same tokens and distribution at every length. ``None`` =
+            on with draft chains on CUDA; elsewhere every round drafts k, so a CPU run repeats step for step.
         attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device),
             ``"auto"`` (Triton on CUDA, the reference elsewhere) or ``"flex"`` (``"auto"`` with FlexAttention
             for prefill chunks: a document mask built from the slot lists; measured 6.5-7.4x slower than the Triton
@@ -101,6 +106,7 @@ class SpecConfig:
     compile: bool | None = None
     cuda_graphs: bool | None = None
     draft_chain: bool | None = None
+    adaptive_rounds: bool | None = None
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -136,7 +142,7 @@ class SpecConfig:
         )
         for name in ("offload", "unified_schedule", "head_budgets"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")
-        for name in ("compile", "cuda_graphs", "draft_chain", "delayed_verify"):
+        for name in ("compile", "cuda_graphs", "draft_chain", "adaptive_rounds", "delayed_verify"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")
         _require(not self.offload, "offload=True is not available in this release; leave it at its default")
         _require(

@@ -49,6 +49,18 @@ def use_draft_chain(setting: bool | None, policy: DraftPolicy | type[DraftPolicy
     return setting is None or setting
 
 
+def use_adaptive_rounds(setting: bool | None, draft_chain: bool, device: torch.device) -> bool:
+    """Whether each step's round length is chosen from measured costs (torchspec/round_length.py): ``None`` = on
+    with draft chains on CUDA, where a step is a whole round and its cost can be timed; elsewhere every round
+    drafts k (so a CPU run is reproducible step for step)."""
+    if setting and not draft_chain:
+        raise ValueError(
+            "adaptive_rounds=True needs draft chains (a step must be a whole round to time it): use a draft "
+            "policy that drafts in chains (not draft=None, 'ngram' or 'sparsespec_l') with draft_chain=None or True"
+        )
+    return draft_chain and device.type == "cuda" if setting is None else setting
+
+
 class Engine:
     """Owns the KV pool and runs batches of requests to completion with continuous batching."""
 
@@ -94,6 +106,7 @@ class Engine:
             feeds_next_step=self.delayed_verify,
         )
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy)
+        self.adaptive_rounds = use_adaptive_rounds(config.adaptive_rounds, self.draft_chain, self.device)
         self._run_start = time.perf_counter()
         self._run_steps = 0
 
@@ -140,6 +153,7 @@ class Engine:
             self.policy,
             self.config.k,
             self.draft_chain,
+            self.adaptive_rounds,
         )
         for request in requests:
             if request.is_finished:
@@ -153,6 +167,7 @@ class Engine:
         try:
             with routed_attention(self.model):
                 while scheduler.has_work():
+                    started = time.perf_counter()
                     plan = scheduler.schedule(in_flight.plan if in_flight is not None else None)
                     launched = self.runner.launch(plan) if plan.scheduled else None
                     if in_flight is None and launched is None:
@@ -160,7 +175,12 @@ class Engine:
                     if not self.delayed_verify:
                         in_flight, launched = launched, None
                     if in_flight is not None:  # read back while the step just launched runs
-                        yield self._commit(scheduler, in_flight)
+                        committed = self._commit(scheduler, in_flight)
+                        if launched is None:  # a synchronous step: its wall time is its cost
+                            span = in_flight.drafts_span
+                            wall_ms = 1e3 * (time.perf_counter() - started)
+                            scheduler.observe_step(in_flight.plan, wall_ms, span.ms() if span else None)
+                        yield committed
                     in_flight = launched
         finally:
             for request in list(scheduler.running):

@@ -72,6 +72,7 @@ class SpeculationStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0  # accepted drafts; the verify's own (bonus or corrected) token not counted
     accepted_per_round: list[int] = field(default_factory=list)
+    drafts_per_round: list[int] = field(default_factory=list)  # drafts each of those verifies checked
     context_per_round: list[int] = field(default_factory=list)  # context length at each of those verifies
 
 

@@ -7,6 +7,7 @@ between and keep the GPU busy while the host reads and commits this one (delayed
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -245,13 +246,16 @@ class Runner:
         forward of the rounds drafted in this step, fed their drafts on the device too; then the copy of the
         step's tokens to the host. Nothing here waits for the GPU: a round's forwards queue back to back, and
         the next step can be queued before this one is collected."""
+        drafts = plan.scheduled[: plan.num_drafts]
+        drafts_span = _Span(self.device) if drafts else None
         input_ids, position_ids, metadata = self.build_metadata(plan)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
         self._learn_from_verify(plan, metadata)
         picks = self._pick(plan, logits, first_row)
-        drafts = plan.scheduled[: plan.num_drafts]
         chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
         chain += self._later_drafts(drafts, chain[0], logits.shape[-1])
+        if drafts_span is not None:
+            drafts_span.stop()
         if self.feeds_next_step:
             self._keep_last_tokens(plan, first_row, picks)
         parts = [*picks.parts(), *chain[1:]]
@@ -266,6 +270,7 @@ class Runner:
             num_chain_forwards=len(chain) - 1,
             readback=_Readback(torch.cat(parts)),
             entropies=None if picks.entropies is None else _Readback(picks.entropies),
+            drafts_span=drafts_span,
         )
 
     def _verify_rounds(
@@ -648,6 +653,29 @@ class _Readback:
         return self.values.tolist()
 
 
+class _Span:
+    """Milliseconds from its creation to ``stop()`` as the device runs them: CUDA events on a GPU (read once the
+    step is collected, so reading never waits), the host clock elsewhere (where work runs as it is queued)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.start, self.end = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        self.end = time.perf_counter()
+
+    def ms(self) -> float:
+        """The span; on a GPU call it after the step's read-back (both events have run by then)."""
+        if self.events is not None:
+            return self.events[0].elapsed_time(self.events[1])
+        return 1e3 * (self.end - self.start)
+
+
 @dataclass
 class _Pass:
     """A forward of a step whose verifies the step reads back: each request's first logits row, and where each
@@ -678,6 +706,7 @@ class LaunchedStep:
     num_chain_forwards: int  # later forwards of the step's draft chains
     readback: _Readback
     entropies: _Readback | None  # draft rows' entropies, for policies that steer by them
+    drafts_span: _Span | None  # from the step's start to the end of its draft forwards (None: no drafts)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from torchspec.drafting import DraftPolicy
 from torchspec.kv_cache import SlotAllocator
 from torchspec.request import DraftRound, FinishReason, Request, RequestStatus
+from torchspec.round_length import RoundLength
 
 
 class Phase(enum.Enum):
@@ -133,6 +134,7 @@ class Scheduler:
         policy: DraftPolicy | None,
         k: int,
         draft_chain: bool = False,
+        adaptive_rounds: bool = False,
     ) -> None:
         self.allocator = allocator
         self.draft_chain = draft_chain  # a request runs its whole round (drafts, verify) in one step
@@ -140,6 +142,8 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens
         self.policy = policy
         self.k = k if policy is not None else 0
+        self.round_length = RoundLength(self.k, adaptive_rounds)
+        self._length = self.k  # drafts of the rounds the current step starts (chosen once per step)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._reserved_slots = 0
@@ -158,6 +162,9 @@ class Scheduler:
         """Draft and verify steps first (one per decoding request), then prefill chunks within the budget.
         ``in_flight``: the step launched and not yet committed (delayed verification, see the module docstring)."""
         self._admit()
+        if self.policy is not None:
+            starting = [r.spec_stats for r in self.running if r.decoding and r.round.length is None]
+            self._length = self.round_length.choose(starting)
         pending = {id(item.request): item for item in in_flight.scheduled} if in_flight is not None else {}
         decoding: list[tuple[Request, ScheduledRequest]] = []
         prefilling: list[tuple[Request, None, int]] = []  # no step yet: its chunk is sized below, ``ahead`` on
@@ -197,6 +204,14 @@ class Scheduler:
         scheduled.sort(key=lambda item: (item.phase is not Phase.DRAFT, -item.chain))
         return StepPlan(scheduled)
 
+    def observe_step(self, plan: StepPlan, wall_ms: float, drafts_ms: float | None) -> None:
+        """Report a step's cost to the round length: its wall time, and when its drafts ended (ms after it
+        started). Decoding steps only: a step with prompt chunks costs what no round costs."""
+        if any(item.phase is Phase.PREFILL for item in plan.scheduled):
+            return
+        length = max((item.chain for item in plan.scheduled if item.phase is Phase.DRAFT), default=0)
+        self.round_length.observe(len(plan.scheduled), length, wall_ms, drafts_ms)
+
     def _runs_on(self, item: ScheduledRequest) -> bool:
         """Whether a request of the step in flight runs in the next step too (fed its token on the device): its
         step emits exactly one token and leaves nothing to decide (no speculation), and a token is left to make
@@ -216,9 +231,9 @@ class Scheduler:
         return ScheduledRequest(request, Phase.VERIFY, 1 + len(current.tokens))
 
     def _start_round(self, request: Request) -> None:
-        """Choose this round's drafts: at most k, and never more than the tokens still allowed."""
+        """Choose this round's drafts: the step's round length, and never more than the tokens still allowed."""
         current = request.round
-        length = min(self.k, request.remaining_tokens - 1)
+        length = min(self._length, request.remaining_tokens - 1)
         if self.policy is None or length <= 0 or not self.policy.ready(request):
             current.length = 0
         elif self.policy.proposes_tokens:
@@ -283,6 +298,7 @@ class Scheduler:
         stats.num_draft_tokens += drafted
         stats.num_accepted_tokens += result.num_accepted
         stats.accepted_per_round.append(result.num_accepted)
+        stats.drafts_per_round.append(drafted)
         stats.context_per_round.append(item.first_position)
 
     def _append(self, request: Request, tokens: list[int]) -> bool:

@@ -30,6 +30,15 @@ def test_throughput_record_counts_the_real_work(smollm2):
     assert 0 <= low <= mid <= high <= 8 and high > 0
     second, last = speculative["slowest_requests"]
     assert second["latency_s"] <= last["latency_s"] == slowest and last["rounds"] > 0
+    # Where the time went: every step, by batch size (two requests, then one left), rounds among them.
+    for record in (plain, speculative):
+        groups = record["steps_by_batch"]
+        assert sum(g["steps"] for g in groups) == record["steps"]
+        assert [g["batch_from"] for g in groups] == sorted({g["batch_from"] for g in groups}, reverse=True)
+        assert {g["batch_from"] for g in groups} <= {1, 2}
+        assert 0 < record["first_20_steps_s"] <= sum(g["seconds"] for g in groups) <= record["seconds"]
+    assert sum(g["round_steps"] for g in plain["steps_by_batch"]) == 0
+    assert sum(g["round_steps"] for g in speculative["steps_by_batch"]) > 0
 
 
 def test_decode_step_record_times_full_batch_decode_steps():

@@ -431,6 +431,24 @@ def test_draft_chain_runs_whole_rounds_so_requests_never_wait(baseline, monkeypa
     assert all(after <= before for before, after in itertools.pairwise(later)), "a request sat a step out"
 
 
+def test_adaptive_rounds_mix_plain_steps_and_rounds_and_keep_the_tokens(baseline, monkeypatch):
+    """With ``adaptive_rounds`` each step's round length is chosen from measured costs: every batch size first
+    times a round, then a plain step, so both run here whatever the CPU's timings choose; tokens stay
+    draft=None's and the counters add up."""
+    expected = generated_rows(baseline(GQA, BATCH), BATCH)
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft="pillar_recent", k=4, adaptive_rounds=True, **MEDIUM)
+    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    assert [o.token_ids for o in outputs] == expected
+    check_bookkeeping(wrapped, recorder)
+    assert any(v.drafts for v in recorder.verifies), "no round ran"
+    assert any(phases == {Phase.VERIFY} for phases in recorder.step_phases), "no plain step ran"
+
+
+def test_adaptive_rounds_are_refused_without_draft_chains(tiny_model):
+    with pytest.raises(ValueError, match="adaptive_rounds=True needs draft chains"):
+        sparsespec.wrap(tiny_model, draft=None, adaptive_rounds=True)
+
+
 def test_whole_rounds_keep_every_forward_within_the_step_token_budget(baseline, monkeypatch):
     """A round verified in the step that drafted it counts its verify's tokens (1 + drafts) against
     ``max_step_tokens``: the step's verify forward, its largest, holds at most the budget (here 12 tokens for

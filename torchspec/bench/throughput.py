@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -27,7 +28,9 @@ from torchspec.bench.records import (
 )
 from torchspec.causal_lm import RequestOutput
 from torchspec.config import DRAFT_POLICIES
+from torchspec.engine import Engine
 from torchspec.models import load_model
+from torchspec.scheduler import Phase
 from torchspec.workloads import chat_token_ids, read_prompts
 
 
@@ -35,6 +38,43 @@ def _quantiles(values: Sequence[float], levels: Sequence[float]) -> list[float]:
     """Nearest-rank quantiles (1.0: the maximum)."""
     ordered = sorted(values)
     return [ordered[min(len(ordered) - 1, int(level * len(ordered)))] for level in levels]
+
+
+class StepTimeline:
+    """Each engine step of a run: how many requests it held, its wall time, and its rounds' draft count (0: a
+    plain step). Attached to an engine, it records the steps its ``steps`` generator yields."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.steps: list[tuple[int, float, int]] = []
+        run_steps = engine.steps
+
+        def recorded(requests):
+            last = time.perf_counter()
+            for plan, finished in run_steps(requests):
+                now = time.perf_counter()
+                length = max((item.chain for item in plan.scheduled if item.phase is Phase.DRAFT), default=0)
+                self.steps.append((len(plan.scheduled), now - last, length))
+                last = now
+                yield plan, finished
+
+        engine.steps = recorded
+
+    def by_batch(self) -> list[dict]:
+        """Steps grouped by batch size (powers of two: 256, 128-255, 64-127, ...): where a run's time went, and
+        how many of those steps ran rounds (with drafts) and of what mean length."""
+        groups: dict[int, list[tuple[int, float, int]]] = {}
+        for step in self.steps:
+            groups.setdefault(1 << (step[0].bit_length() - 1), []).append(step)
+        return [
+            {
+                "batch_from": low,
+                "steps": len(steps),
+                "seconds": round(sum(seconds for _, seconds, _ in steps), 2),
+                "round_steps": sum(length > 0 for _, _, length in steps),
+                "mean_round_length": round(statistics.fmean([n for _, _, n in steps if n] or [0]), 2),
+            }
+            for low, steps in sorted(groups.items(), reverse=True)
+        ]
 
 
 def _request_summary(output: RequestOutput) -> dict[str, float]:
@@ -57,6 +97,7 @@ def measure(
         gc.collect()
         torch.cuda.empty_cache()
     wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=len(prompts), **options)
+    timeline = StepTimeline(wrapped.engine)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -90,6 +131,9 @@ def measure(
         "request_accepted_p10_p50_p90": _quantiles([o.stats.mean_accepted for o in outputs], (0.1, 0.5, 0.9)),
         # The requests that set the run's length: a round costs about the same for one request as for many.
         "slowest_requests": [_request_summary(o) for o in sorted(outputs, key=lambda o: o.stats.latency_s)[-2:]],
+        # Where the time went: the first steps (prompts, graph captures, compiles), then steps by batch size.
+        "first_20_steps_s": round(sum(seconds for _, seconds, _ in timeline.steps[:20]), 2),
+        "steps_by_batch": timeline.by_batch(),
         "kv_capacity_tokens": wrapped.engine.kv_capacity_tokens,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         **environment(device, next(model.parameters()).dtype),

@@ -1,0 +1,113 @@
+"""How many drafts a step's rounds take: the length that emits the most tokens per millisecond, from each
+request's recent acceptance and the measured cost of the engine's own steps (goodput, as SmartSpec chooses it).
+
+Self-speculation pays only where a sparse draft forward is much cheaper than the full forward it stands in for:
+many requests at long context, where full attention's K/V reads dominate. With few requests a forward costs its
+fixed launch and weight-read time whatever it attends to, a draft costs about what a plain step costs, and a
+round loses to plain decoding: on W1 one poorly drafted request, left alone at the end of the run, made 2.3
+tokens per 31 ms round where a plain step takes ~2.5 ms. The length never changes what is sampled (greedy
+tokens and sampled distributions are those of plain decoding at every length), only how fast.
+
+Costs depend on the batch, so they are kept per batch-size bucket (powers of two). A bucket first measures a
+round at full length, then a plain step; afterwards the mode not chosen is measured again every
+``REFRESH_STEPS`` steps of the bucket, so a choice follows the costs as contexts grow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from torchspec.request import SpeculationStats
+
+RECENT_ROUNDS = 16  # a request's acceptance is estimated from its last rounds
+SMOOTHING = 0.25  # weight of the newest step in the cost averages
+REFRESH_STEPS = 32  # a bucket's steps between two measurements of the mode it does not choose
+
+
+def acceptance_rate(accepted: Sequence[int], drafted: Sequence[int]) -> float:
+    """The chance that a draft is accepted once the drafts before it were, from a request's recent rounds: a
+    round that accepted ``a`` of ``d`` drafts made ``a`` successful trials, and one failed trial unless
+    ``a == d``. One success and one failure of prior keep a new request between the extremes."""
+    successes = sum(accepted)
+    failures = sum(a < d for a, d in zip(accepted, drafted, strict=True))
+    return (successes + 1) / (successes + failures + 2)
+
+
+def expected_tokens(rates: np.ndarray, k: int) -> np.ndarray:
+    """``[requests, k + 1]``: the tokens a round of each length 0..k emits on average, ``1 + rate + ... +
+    rate**length`` (the verify's own token, bonus or corrected, included; length 0 is a plain step)."""
+    return np.cumsum(rates[:, None] ** np.arange(k + 1), axis=1)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+@dataclass
+class StepCosts:
+    """Measured milliseconds of a batch-size bucket's steps (exponential averages)."""
+
+    plain_ms: float | None = None  # a step without drafts
+    round_ms: float | None = None  # a round's step without its drafts: the verify, token selection, bookkeeping
+    draft_ms: float | None = None  # each draft forward of a round (its share of the step until the chain ends)
+    last_measured: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})  # drafting? -> step
+
+    def cost(self, length: int) -> float:
+        return self.plain_ms if length == 0 else self.round_ms + length * self.draft_ms
+
+
+class RoundLength:
+    """Chooses the length of the rounds a step starts; the scheduler asks once per step and reports every
+    decoding step's cost back."""
+
+    def __init__(self, k: int, adaptive: bool) -> None:
+        self.k = k
+        self.adaptive = adaptive
+        self._buckets: dict[int, StepCosts] = {}
+        self._steps = 0
+
+    def choose(self, requests: Sequence[SpeculationStats]) -> int:
+        """The length of the rounds that requests with these speculation records start now."""
+        if not self.adaptive or not requests:
+            return self.k
+        costs = self._buckets.setdefault(_bucket(len(requests)), StepCosts())
+        if costs.round_ms is None:
+            return self.k
+        if costs.plain_ms is None:
+            return 0
+        rates = np.array(
+            [
+                acceptance_rate(stats.accepted_per_round[-RECENT_ROUNDS:], stats.drafts_per_round[-RECENT_ROUNDS:])
+                for stats in requests
+            ]
+        )
+        # Tokens the batch makes per ms at each length 0..k.
+        tokens = expected_tokens(rates, self.k).sum(axis=0)
+        goodput = tokens / np.array([costs.cost(length) for length in range(self.k + 1)])
+        best_round = 1 + int(np.argmax(goodput[1:]))
+        drafting = bool(goodput[best_round] > goodput[0])
+        if self._steps - costs.last_measured[not drafting] >= REFRESH_STEPS:
+            drafting = not drafting  # the other mode's costs are stale: measure them again
+        return best_round if drafting else 0
+
+    def observe(self, batch: int, length: int, wall_ms: float, drafts_ms: float | None) -> None:
+        """A decoding step of ``batch`` requests ran rounds of ``length`` drafts (0: plain) in ``wall_ms``, its
+        drafts ending ``drafts_ms`` after it started."""
+        self._steps += 1
+        if not self.adaptive:
+            return
+        costs = self._buckets.setdefault(_bucket(batch), StepCosts())
+        costs.last_measured[length > 0] = self._steps
+        if length == 0:
+            costs.plain_ms = _average(costs.plain_ms, wall_ms)
+        elif drafts_ms is not None:
+            costs.draft_ms = _average(costs.draft_ms, drafts_ms / length)
+            costs.round_ms = _average(costs.round_ms, max(wall_ms - drafts_ms, 0.0))
+
+
+def _bucket(batch: int) -> int:
+    """The power of two at or above ``batch``: requests whose steps cost about the same."""
+    return 1 << (batch - 1).bit_length()
