@@ -21,6 +21,7 @@ from torchspec.draft_probs import DraftProbsStore
 from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 from torchspec.kv_cache import KVPool, LayerSpec
+from torchspec.request import Request
 from torchspec.sampling import suppress_stop_tokens, warped_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.slot_table import SlotTable
@@ -161,14 +162,16 @@ class Runner:
         and the stacked lists ``[layers, Hkv, N]`` the views slice."""
         if not items or self.policy.selects_in_attention:
             return {}, None
-        view, _ = self._policy_lists(items)  # lists [layers, Hkv, N]
+        requests = [item.request for item in items]
+        view, _ = self._policy_lists(requests, [item.first_position for item in items])  # lists [layers, Hkv, N]
         return self._layer_views(view), view.kv_indices
 
-    def _policy_lists(self, items: Sequence[ScheduledRequest]) -> tuple[KVView, list[int]]:
-        """The lists the policy fixes for each draft request's position (see ``_draft_lists``)."""
-        chosen = [self.policy.draft_positions(item.request, item.first_position) for item in items]
+    def _policy_lists(self, requests: Sequence[Request], positions: Sequence[int]) -> tuple[KVView, list[int]]:
+        """The lists the policy fixes for draft forwards of ``requests`` at ``positions`` (see ``_draft_lists``)."""
+        chosen = [self.policy.draft_positions(r, p) for r, p in zip(requests, positions, strict=True)]
         fixed, recent_from = zip(*chosen, strict=True)
-        return self._draft_lists(items, fixed, recent_from)
+        rows = [self.table.row(request) for request in requests]
+        return self._draft_lists(rows, positions, fixed, recent_from)
 
     def _layer_views(self, view: KVView) -> dict[int, KVView]:
         """Each sparse layer's view of stacked draft lists ``[layers, Hkv, N]``."""
@@ -184,28 +187,32 @@ class Runner:
         }
 
     def _draft_lists(
-        self, items: Sequence[ScheduledRequest], fixed: Sequence[torch.Tensor], recent_from: Sequence[int] | None
+        self,
+        rows: Sequence[int],
+        positions: Sequence[int],
+        fixed: Sequence[torch.Tensor],
+        recent_from: Sequence[int] | None,
     ) -> tuple[KVView, list[int]]:
-        """Per-KV-head slot lists of draft requests (``[layers, Hkv, N]``, or ``[Hkv, N]`` for one layer's
-        selection), built for all requests at once on the device, in a few launches whatever the batch:
-        request j reads its ``fixed[j]`` positions (``[n]`` or ``[..., Hkv, n]``; -1 stays padding) and, when
-        ``recent_from`` is given, every position from ``recent_from[j]`` to its draft position. Also returns
-        the offsets (host), to slice the lists per forward of a draft chain."""
+        """Per-KV-head slot lists of draft forwards (``[layers, Hkv, N]``, or ``[Hkv, N]`` for one layer's
+        selection), built for all of them at once on the device, in a few launches whatever the batch: the
+        draft of slot-table row ``rows[j]`` at ``positions[j]`` reads its ``fixed[j]`` positions (``[n]`` or
+        ``[..., Hkv, n]``; -1 stays padding) and, when ``recent_from`` is given, every position from
+        ``recent_from[j]`` to ``positions[j]``. Also returns the offsets (host), to slice the lists per forward
+        of a draft chain."""
         num_layers, num_heads = len(self.policy.sparse_layers), self.policy.num_kv_heads
         shape = (num_heads,) if fixed[0].dim() == 2 else (num_layers, num_heads)
         fixed = [f.expand(*shape, -1) if f.dim() == 1 else f for f in fixed]
         fixed_lengths = [f.shape[-1] for f in fixed]
-        recent_lengths = [0] * len(items)
+        recent_lengths = [0] * len(rows)
         if recent_from is not None:
-            recent_lengths = [item.first_position + 1 - first for item, first in zip(items, recent_from, strict=True)]
+            recent_lengths = [position + 1 - first for position, first in zip(positions, recent_from, strict=True)]
         lengths = [a + b for a, b in zip(fixed_lengths, recent_lengths, strict=True)]
         indptr = list(itertools.accumulate(lengths, initial=0))
         fixed_starts = list(itertools.accumulate(fixed_lengths, initial=0))
         recent_starts = list(itertools.accumulate(recent_lengths, initial=0))
-        rows = [self.table.row(item.request) for item in items]
         meta = self._tensor(
-            [rows, lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1], recent_lengths, recent_starts[:-1],
-             list(recent_from or [0] * len(items))]
+            [list(rows), lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1], recent_lengths, recent_starts[:-1],
+             list(recent_from or [0] * len(rows))]
         )  # fmt: skip
         row, length, start, fixed_length, fixed_start, recent_length, recent_start, first_recent = meta
         positions = torch.empty(*shape, indptr[-1], dtype=torch.int64, device=self.device)
@@ -235,7 +242,8 @@ class Runner:
                     item.request, item.first_position, layer, query, k_cache[slots], scale
                 )
                 positions.append(chosen.to(self.device))
-            return self._draft_lists(items, positions, None)[0]
+            rows = [self.table.row(item.request) for item in items]
+            return self._draft_lists(rows, [item.first_position for item in items], positions, None)[0]
 
         return select
 
@@ -288,20 +296,22 @@ class Runner:
         for j, tokens in enumerate(chain):
             drafted[: tokens.shape[0], j] = tokens
         plan = StepPlan([ScheduledRequest(item.request, Phase.VERIFY, 1 + item.chain) for _, item in rounds])
-        newest, at, draft_rows, draft_columns = [], [], [], []  # flat queries: the newest token, then the drafts
-        for index, item in rounds:
-            newest += [item.request.token_ids[-1], *[0] * item.chain]
-            at += range(len(newest) - item.chain, len(newest))
-            draft_rows += [index] * item.chain
-            draft_columns += range(item.chain)
-        input_ids = self._tensor(newest)
-        index = self._tensor([at, draft_rows, draft_columns])
+        # Flat queries, request after request: the newest token, then the drafts (column j of its drafted row).
+        chains = np.array([item.chain for _, item in rounds])
+        newest_at = np.cumsum(1 + chains) - 1 - chains
+        owner = np.repeat(np.arange(len(rounds)), chains)
+        column = np.arange(owner.size) - np.repeat(np.cumsum(chains) - chains, chains)
+        input_ids = torch.zeros(int(newest_at[-1] + chains[-1] + 1), dtype=torch.int64, device=self.device)
+        rows = np.array([index for index, _ in rounds])
+        newest = [item.request.token_ids[-1] for _, item in rounds]
+        index = self._tensor(np.stack([newest_at, newest]))
+        input_ids[index[0]] = index[1]
+        index = self._tensor(np.stack([newest_at[owner] + 1 + column, rows[owner], column]))
         input_ids[index[0]] = drafted[index[1], index[2]]
         input_ids, position_ids, metadata = self.build_metadata(plan, input_ids)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
         self._learn_from_verify(plan, metadata)
-        rows = row_index([index for index, _ in rounds], self.device)
-        return first_row, self._pick(plan, logits, first_row, drafted[rows])
+        return first_row, self._pick(plan, logits, first_row, drafted[row_index(rows.tolist(), self.device)])
 
     def _keep_last_tokens(self, plan: StepPlan, first_row: list[int], picks: _Picks) -> None:
         """Record on the device the token each request emits when it emits exactly one (a plain decode, a final
@@ -335,19 +345,24 @@ class Runner:
         longest = max((item.chain for item in drafts), default=1)
         if longest == 1:
             return []
-        plans = [StepPlan([item.advanced(j) for item in drafts if item.chain > j]) for j in range(1, longest)]
-        flat = [item for later in plans for item in later.scheduled]
-        positions = [item.first_position for item in flat]
-        layout = self._tensor([positions, [item.request.slots[item.first_position] for item in flat]])
-        self.table.write([self.table.row(item.request) for item in flat], positions, layout[1])
+        # Forward j (1 .. longest - 1) holds the drafts whose chain is longer than j: a prefix of them. Its
+        # entries, forward after forward: each such draft at its first position + j.
+        counts = [sum(item.chain > j for item in drafts) for j in range(1, longest)]
+        owner = np.concatenate([np.arange(count) for count in counts])
+        first_positions = np.array([item.first_position for item in drafts])
+        positions = (first_positions[owner] + np.repeat(np.arange(1, longest), counts)).tolist()
+        requests = [drafts[i].request for i in owner.tolist()]
+        layout = self._tensor([positions, [r.slots[p] for r, p in zip(requests, positions, strict=True)]])
+        self.table.write([self.table.row(request) for request in requests], positions, layout[1])
         lists, offsets = None, None
         if not self.policy.selects_in_attention:
-            lists, offsets = self._policy_lists(flat)
+            lists, offsets = self._policy_lists(requests, positions)
         if self._chain_graph_runs(drafts):
             self.draft_probs.reserve(self.max_batch_size + 1, vocab_size)  # a fixed store the graph writes
-            inputs = self._chain_inputs(drafts, plans, first, layout, lists, offsets)
+            inputs = self._chain_inputs(drafts, counts, first, layout, lists, offsets)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
-            return [tokens[j, : len(later.scheduled)] for j, later in enumerate(plans)]
+            return [tokens[j, :count] for j, count in enumerate(counts)]
+        plans = [StepPlan([item.advanced(j) for item in drafts[:count]]) for j, count in enumerate(counts, start=1)]
         chain = [first]
         for later, position_ids, metadata in self._chain_metadata(drafts, plans, layout, lists, offsets):
             input_ids = chain[-1][None, : len(later.scheduled)]
@@ -367,7 +382,7 @@ class Runner:
     def _chain_inputs(
         self,
         drafts: Sequence[ScheduledRequest],
-        plans: Sequence[StepPlan],
+        counts: Sequence[int],
         first: torch.Tensor,
         layout: torch.Tensor,
         lists: KVView,
@@ -380,7 +395,7 @@ class Runner:
         targets, indptr = [], []  # each layout entry's place in the [later, count] grid; per-forward offsets
         start = 0
         for j in range(later):
-            active = len(plans[j].scheduled) if j < len(plans) else 0
+            active = counts[j] if j < len(counts) else 0
             targets += range(j * count, j * count + active)
             end = start + active
             indptr += offsets[start:end] + [offsets[end]] * (count + 1 - active)
