@@ -201,8 +201,13 @@ class Runner:
         of a draft chain."""
         num_layers, num_heads = len(self.policy.sparse_layers), self.policy.num_kv_heads
         shape = (num_heads,) if fixed[0].dim() == 2 else (num_layers, num_heads)
-        fixed = [f.expand(*shape, -1) if f.dim() == 1 else f for f in fixed]
-        fixed_lengths = [f.shape[-1] for f in fixed]
+        # Each distinct tensor is sent once: a round's pattern serves every forward of its draft chain.
+        distinct = {id(f): f for f in fixed}  # first seen first
+        index = {key: i for i, key in enumerate(distinct)}
+        which = [index[id(f)] for f in fixed]
+        sources = [f.expand(*shape, -1) if f.dim() == 1 else f for f in distinct.values()]
+        source_starts = list(itertools.accumulate((f.shape[-1] for f in sources), initial=0))
+        fixed_lengths = [source_starts[w + 1] - source_starts[w] for w in which]
         recent_lengths = [0] * len(rows)
         if recent_from is not None:
             recent_lengths = [position + 1 - first for position, first in zip(positions, recent_from, strict=True)]
@@ -212,13 +217,14 @@ class Runner:
         recent_starts = list(itertools.accumulate(recent_lengths, initial=0))
         meta = self._tensor(
             [list(rows), lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1], recent_lengths, recent_starts[:-1],
-             list(recent_from or [0] * len(rows))]
+             list(recent_from or [0] * len(rows)), [source_starts[w] for w in which]]
         )  # fmt: skip
-        row, length, start, fixed_length, fixed_start, recent_length, recent_start, first_recent = meta
+        row, length, start, fixed_length, fixed_start, recent_length, recent_start, first_recent, source_start = meta
         positions = torch.empty(*shape, indptr[-1], dtype=torch.int64, device=self.device)
         owner = self._owners(fixed_length, fixed_starts[-1])
         local = torch.arange(fixed_starts[-1], device=self.device) - fixed_start[owner]
-        positions[..., start[owner] + local] = torch.cat(fixed, dim=-1).to(self.device)  # one device each policy
+        source = torch.cat(sources, dim=-1).to(self.device)  # one device each policy
+        positions[..., start[owner] + local] = source[..., source_start[owner] + local]
         owner = self._owners(recent_length, recent_starts[-1])
         local = torch.arange(recent_starts[-1], device=self.device) - recent_start[owner]
         positions[..., start[owner] + fixed_length[owner] + local] = first_recent[owner] + local
