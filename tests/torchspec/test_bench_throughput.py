@@ -106,3 +106,23 @@ def test_step_profile_times_and_profiles_speculative_steps():
     assert len(timed) == 6 and all(ms > 0 for ms, _ in timed)
     assert all(phases == ["draft"] for _, phases in timed), timed
     assert table.startswith("2 steps, wall") and "aten::" in table
+
+
+def test_launch_segments_split_the_gpu_timeline_at_graph_replays():
+    """Kernels of one replay form one segment, kernels launched one by one between replays another; spans,
+    busy times and counts come from the kernels' own times (us in the trace, ms in the segments)."""
+    events = [
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "args": {"correlation": 1}},
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": 2}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "args": {"correlation": 3}},
+        {"cat": "kernel", "name": "index", "ts": 1000, "dur": 100, "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "gemm", "ts": 3000, "dur": 500, "args": {"correlation": 2}},
+        {"cat": "kernel", "name": "attention", "ts": 3500, "dur": 1500, "args": {"correlation": 2}},
+        {"cat": "kernel", "name": "topk", "ts": 9000, "dur": 200, "args": {"correlation": 3}},
+    ]
+    first, replay, last = step_profile.launch_segments(events)
+    assert (first["kind"], replay["kind"], last["kind"]) == ("launched kernels", "graph replay", "launched kernels")
+    assert (replay["start_ms"], replay["span_ms"], replay["busy_ms"], replay["kernels"]) == (2.0, 2.0, 2.0, 2)
+    assert replay["top"] == ["attention", "gemm"]
+    assert (last["start_ms"], last["busy_ms"], last["kernels"]) == (8.0, 0.2, 1)
+    assert "graph replay | 2.00 | 2.00 | 2.00 | 2 | attention, gemm" in step_profile.format_segments([replay])

@@ -27,6 +27,7 @@ ENGINE_SWITCHES = {
     "cuda_graphs": "replay decoding steps from CUDA graphs (auto: on with CUDA)",
     "delayed_verify": "launch each step before reading the last one back (auto: on without speculation)",
     "draft_chain": "a request drafts its whole round in one engine step (auto: where the policy allows)",
+    "adaptive_rounds": "choose each step's round length from measured costs (auto: on with draft chains on CUDA)",
 }
 
 

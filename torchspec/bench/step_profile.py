@@ -14,7 +14,10 @@ as a self CUDA total well below the wall time.
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,7 +56,9 @@ def profile_steps(
 ) -> tuple[list[tuple[float, list[str]]], str]:
     """Each timed step's (wall ms, phases it held), and the profiler's table of ``profile_steps`` more steps."""
     device = next(model.parameters()).device
-    options = options | {"cuda_graphs": True}  # the decoding steps this profiles are graph replays
+    # The decoding steps this profiles are graph replays, and whole rounds unless the round length is asked to
+    # adapt (it would mix in plain steps).
+    options = {"adaptive_rounds": False} | options | {"cuda_graphs": True}
     wrapped = sparsespec.wrap(model, draft="pillar_recent", max_batch_size=batch, **options)
     engine = wrapped.engine
     # A step emits at most k + 1 tokens per request (a whole round): enough for every step asked for.
@@ -81,7 +86,60 @@ def profile_steps(
         sync()
         wall = 1e3 * (time.perf_counter() - start)
     table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
-    return timed, f"{profile_steps} steps, wall {wall:.1f} ms\n{table}"
+    report = f"{profile_steps} steps, wall {wall:.1f} ms\n{table}"
+    if device.type == "cuda":
+        with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+            profiler.export_chrome_trace(trace.name)
+            events = json.loads(Path(trace.name).read_text())["traceEvents"]
+        report += "\n" + format_segments(launch_segments(events))
+    return timed, report
+
+
+def launch_segments(events: list[dict]) -> list[dict]:
+    """The GPU timeline of a profiled run (chrome-trace events) as segments: each CUDA graph replay, and each
+    run of kernels launched one by one between replays. Per segment: start and span (ms from the first
+    kernel), the GPU's busy time in it, its kernel count and its three costliest kernels. A span well above
+    its busy time is the GPU waiting for the host (between replays: the host preparing the next one)."""
+    launches = {
+        event["args"]["correlation"]: event["name"]
+        for event in events
+        if event.get("cat") == "cuda_runtime" and "correlation" in event.get("args", {})
+    }
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    segments: list[dict] = []
+    for kernel in kernels:
+        correlation = kernel["args"].get("correlation")
+        replay = correlation if launches.get(correlation) == "cudaGraphLaunch" else None
+        if not segments or segments[-1]["replay"] != replay:
+            segments.append({"replay": replay, "start": kernel["ts"], "end": kernel["ts"], "kernels": 0, "names": {}})
+        segment = segments[-1]
+        segment["end"] = max(segment["end"], kernel["ts"] + kernel["dur"])
+        segment["kernels"] += 1
+        segment["names"][kernel["name"]] = segment["names"].get(kernel["name"], 0.0) + kernel["dur"]
+    origin = kernels[0]["ts"] if kernels else 0.0
+    return [
+        {
+            "kind": "graph replay" if segment["replay"] is not None else "launched kernels",
+            "start_ms": (segment["start"] - origin) / 1e3,
+            "span_ms": (segment["end"] - segment["start"]) / 1e3,
+            "busy_ms": sum(segment["names"].values()) / 1e3,
+            "kernels": segment["kernels"],
+            "top": sorted(segment["names"], key=segment["names"].get, reverse=True)[:3],
+        }
+        for segment in segments
+    ]
+
+
+def format_segments(segments: list[dict]) -> str:
+    """A table of :func:`launch_segments`, one line per segment."""
+    lines = ["GPU timeline: kind | start ms | span ms | busy ms | kernels | costliest kernels"]
+    for segment in segments:
+        top = ", ".join(name[:40] for name in segment["top"])
+        lines.append(
+            f"{segment['kind']} | {segment['start_ms']:.2f} | {segment['span_ms']:.2f} | {segment['busy_ms']:.2f} | "
+            f"{segment['kernels']} | {top}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
