@@ -8,7 +8,7 @@ import torch
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
 from torchspec.bench import decode_step, host_step, step_profile
-from torchspec.bench.throughput import measure
+from torchspec.bench.throughput import main, measure, parse_setting
 from torchspec.kv_cache import bytes_per_token
 
 pytestmark = pytest.mark.slow
@@ -126,3 +126,15 @@ def test_launch_segments_split_the_gpu_timeline_at_graph_replays():
     assert replay["top"] == ["attention", "gemm"]
     assert (last["start_ms"], last["busy_ms"], last["kernels"]) == (8.0, 0.2, 1)
     assert "graph replay | 2.00 | 2.00 | 2.00 | 2 | attention, gemm" in step_profile.format_segments([replay])
+
+
+def test_a_run_names_its_draft_and_switches_so_one_command_runs_an_ablation(capsys):
+    assert parse_setting("pillar_recent+compile-adaptive_rounds") == (
+        "pillar_recent",
+        {"compile": True, "adaptive_rounds": False},
+    )
+    assert parse_setting("none") == (None, {})
+    for bad, named in (("pilar", "unknown draft 'pilar'"), ("none+compil", "unknown switch 'compil'")):
+        with pytest.raises(SystemExit):
+            main(["--drafts", "none", bad])
+        assert named in capsys.readouterr().err

@@ -3,6 +3,9 @@
     python -m torchspec.bench.throughput --prompts 256 --max-new-tokens 4096 --temperature 0.65 \
         --drafts none pillar_recent --out throughput.jsonl
 
+An ablation in one command: each ``--drafts`` entry may turn engine switches on or off for its run alone,
+e.g. ``--drafts none none+compile pillar_recent-adaptive_rounds pillar_recent pillar_recent+compile``.
+
 Every request generates exactly ``--max-new-tokens`` tokens (EOS is held back with ``min_new_tokens``, the
 transformers way of ignoring it), so runs compare equal work. One JSON line per draft setting: wall time,
 generated tokens per second, engine steps, mean accepted drafts per round, peak device memory.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -20,6 +24,7 @@ import torch
 
 from torchspec import sparsespec
 from torchspec.bench.records import (
+    ENGINE_SWITCHES,
     add_engine_arguments,
     add_model_arguments,
     append_record,
@@ -140,23 +145,49 @@ def measure(
     }
 
 
+def parse_setting(text: str) -> tuple[str | None, dict[str, bool]]:
+    """A ``--drafts`` entry: a draft policy (or ``none``), then engine switches turned on (``+name``) or off
+    (``-name``) for that run alone, e.g. ``pillar_recent+compile-adaptive_rounds``: one command runs an
+    ablation."""
+    draft, *switches = re.split(r"(?=[+-])", text)
+    if draft not in ("none", *DRAFT_POLICIES):
+        raise argparse.ArgumentTypeError(f"unknown draft {draft!r} in {text!r}; use none or one of {DRAFT_POLICIES}")
+    overrides = {}
+    for switch in switches:
+        name = switch[1:]
+        if name not in ENGINE_SWITCHES:
+            raise argparse.ArgumentTypeError(f"unknown switch {name!r} in {text!r}; use one of {list(ENGINE_SWITCHES)}")
+        overrides[name] = switch[0] == "+"
+    return None if draft == "none" else draft, overrides
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=4096)
     parser.add_argument("--temperature", type=float, default=0.65)
-    parser.add_argument("--drafts", nargs="+", default=["none", "pillar_recent"], choices=["none", *DRAFT_POLICIES])
+    parser.add_argument(
+        "--drafts",
+        nargs="+",
+        default=["none", "pillar_recent"],
+        help="runs, each a draft policy or none, optionally with +switch / -switch (e.g. pillar_recent+compile)",
+    )
     add_model_arguments(parser)
     add_engine_arguments(parser)
     parser.add_argument("--out", help="append one JSON line per draft setting")
     args = parser.parse_args(argv)
+    try:
+        settings = [(text, *parse_setting(text)) for text in args.drafts]  # all checked before loading
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.prompts)]
-    for draft in args.drafts:
-        draft_name = None if draft == "none" else draft
-        record = measure(model, prompts, draft_name, args.max_new_tokens, args.temperature, **engine_options(args))
+    for text, draft, overrides in settings:
+        options = engine_options(args) | overrides
+        record = measure(model, prompts, draft, args.max_new_tokens, args.temperature, **options)
+        record["setting"] = text
         print(
-            f"draft={draft}: {record['generated_tokens']} tokens in {record['seconds']:.1f} s, "
+            f"{text}: {record['generated_tokens']} tokens in {record['seconds']:.1f} s, "
             f"{record['tokens_per_s']:.1f} tok/s, {record['steps']} steps ({record['ms_per_step']:.1f} ms, "
             f"host {record['cpu_ms_per_step']:.1f} ms each), mean accepted {record['mean_accepted']:.2f}"
         )
