@@ -36,7 +36,8 @@ def test_throughput_record_counts_the_real_work(smollm2):
         assert sum(g["steps"] for g in groups) == record["steps"]
         assert [g["batch_from"] for g in groups] == sorted({g["batch_from"] for g in groups}, reverse=True)
         assert {g["batch_from"] for g in groups} <= {1, 2}
-        assert 0 < record["first_20_steps_s"] <= sum(g["seconds"] for g in groups) <= record["seconds"]
+        steps_s = sum(g["seconds"] for g in groups)  # a step's seconds summed in another order: 1e-9 of slack
+        assert 0 < record["first_20_steps_s"] <= steps_s + 1e-9 and steps_s <= record["seconds"]
     assert sum(g["round_steps"] for g in plain["steps_by_batch"]) == 0
     assert sum(g["round_steps"] for g in speculative["steps_by_batch"]) > 0
 

@@ -74,9 +74,9 @@ class StepTimeline:
             {
                 "batch_from": low,
                 "steps": len(steps),
-                "seconds": round(sum(seconds for _, seconds, _ in steps), 2),
+                "seconds": sum(seconds for _, seconds, _ in steps),
                 "round_steps": sum(length > 0 for _, _, length in steps),
-                "mean_round_length": round(statistics.fmean([n for _, _, n in steps if n] or [0]), 2),
+                "mean_round_length": statistics.fmean([n for _, _, n in steps if n] or [0]),
             }
             for low, steps in sorted(groups.items(), reverse=True)
         ]
@@ -137,7 +137,7 @@ def measure(
         # The requests that set the run's length: a round costs about the same for one request as for many.
         "slowest_requests": [_request_summary(o) for o in sorted(outputs, key=lambda o: o.stats.latency_s)[-2:]],
         # Where the time went: the first steps (prompts, graph captures, compiles), then steps by batch size.
-        "first_20_steps_s": round(sum(seconds for _, seconds, _ in timeline.steps[:20]), 2),
+        "first_20_steps_s": sum(seconds for _, seconds, _ in timeline.steps[:20]),
         "steps_by_batch": timeline.by_batch(),
         "kv_capacity_tokens": wrapped.engine.kv_capacity_tokens,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
