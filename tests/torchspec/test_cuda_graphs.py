@@ -3,6 +3,8 @@ CUDA; run directly on the CPU) and give the dynamic path's tokens."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from tests.torchspec.conftest import Batch, tiny_spec
 from torchspec import sparsespec
 from torchspec.cuda_graphs import bucket_sizes
 from torchspec.engine import use_cuda_graphs
+from torchspec.request import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -86,3 +89,32 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft):
     assert runner.graphs.num_captured > 0
     if draft is not None:  # the chains' later forwards replayed from their own graph
         assert any(step.graph is not None for step in runner.chain_graphs._steps.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("draft", [None, "pillar_recent"])
+def test_steady_steps_synchronise_at_most_once(draft):
+    """Once its buckets are captured, a decoding step waits for the GPU at most once: its read-back. Planning,
+    launching and committing never copy from pageable memory, read a device value (``.item()``, ``.tolist()``)
+    or make a data-dependent shape; sync debug mode ('warn') flags each such wait, counted per step."""
+    model = tiny_spec("llama", 2).build().cuda()
+    wrapped = sparsespec.wrap(model, draft=draft, kv_capacity_tokens=4096, k=4, min_budget=6)
+    engine = wrapped.engine
+    params = SamplingParams(max_new_tokens=80, min_new_tokens=80, do_sample=True, temperature=0.7)
+    requests = [engine.new_request(i, list(range(3, 3 + n)), params) for i, n in enumerate((20, 31, 25, 40))]
+    steps = iter(engine.steps(requests))
+    for _ in range(6):  # prompts, the first plain steps and rounds: every bucket of this batch captured
+        next(steps)
+    per_step = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(6):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                plan, _ = next(steps)
+            assert len(plan.scheduled) == 4, "a request finished or waited: not a steady step"
+            per_step.append([str(w.message) for w in caught if "synchroniz" in str(w.message)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(len(syncs) <= 1 for syncs in per_step), per_step
