@@ -155,7 +155,7 @@ class Runner:
         if self.policy is None or not self.policy.uses_verify_scores:
             return [0] * len(items)
         k_plus_1 = self.policy.config.k + 1
-        return [min(item.num_query_tokens, k_plus_1) if item.samples else 0 for item in items]
+        return [min(item.num_query_tokens, k_plus_1) if item.samples and item.learns else 0 for item in items]
 
     def _draft_views(self, items: Sequence[ScheduledRequest]) -> tuple[dict[int, KVView], torch.Tensor | None]:
         """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots),
@@ -517,7 +517,7 @@ class Runner:
         start = 0
         for item, count in zip(full_items, scored, strict=True):
             end = start + item.first_position + item.num_query_tokens
-            if item.samples:
+            if item.samples and item.learns:
                 requests.append(item.request)
                 spans.append((start, end))
                 first_queries.append(item.first_position + item.num_query_tokens - (count or item.num_query_tokens))

@@ -52,6 +52,8 @@ class ScheduledRequest:
     # Positions the step still in flight computes before this one (delayed verification): a decode then feeds
     # the token that step emits, on the device and not yet on the host.
     ahead: int = 0
+    # A verify (or final prompt chunk) whose attention the draft policy learns from (see ``_next_step``).
+    learns: bool = True
     # Read many times per step and fixed until the step is committed: computed once, when scheduled.
     first_position: int = field(init=False)  # of the first query token (drafts sit after the newest accepted)
     samples: bool = field(init=False)  # the step produces tokens for it (all but a prefill chunk short of the end)
@@ -228,7 +230,9 @@ class Scheduler:
             return ScheduledRequest(request, Phase.DRAFT, 1, current.length, verifies=True)
         if len(current.tokens) < current.length:
             return ScheduledRequest(request, Phase.DRAFT, 1)
-        return ScheduledRequest(request, Phase.VERIFY, 1 + len(current.tokens))
+        # A round's verify teaches the policy; a plain step only when the policy asks for it.
+        learns = bool(current.tokens) or self.policy.learns_from_plain_step(request)
+        return ScheduledRequest(request, Phase.VERIFY, 1 + len(current.tokens), learns=learns)
 
     def _start_round(self, request: Request) -> None:
         """Choose this round's drafts: the step's round length, and never more than the tokens still allowed."""

@@ -437,11 +437,22 @@ def test_adaptive_rounds_mix_plain_steps_and_rounds_and_keep_the_tokens(baseline
     draft=None's and the counters add up."""
     expected = generated_rows(baseline(GQA, BATCH), BATCH)
     wrapped, recorder = _wrap(GQA, monkeypatch, draft="pillar_recent", k=4, adaptive_rounds=True, **MEDIUM)
+    policy = wrapped.engine.policy
+    learned, on_verifies = [], policy.on_verifies
+
+    def spy_verifies(requests, *args):
+        learned.extend(requests)
+        on_verifies(requests, *args)
+
+    monkeypatch.setattr(policy, "on_verifies", spy_verifies)
     outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
     assert [o.token_ids for o in outputs] == expected
     check_bookkeeping(wrapped, recorder)
     assert any(v.drafts for v in recorder.verifies), "no round ran"
     assert any(phases == {Phase.VERIFY} for phases in recorder.step_phases), "no plain step ran"
+    # Every round's verify teaches PillarAttn; a plain step right after one does not (its pattern is fresh).
+    rounds = sum(1 for v in recorder.verifies if v.drafts)
+    assert rounds + len(BATCH.lengths) <= len(learned) < len(recorder.verifies) + len(BATCH.lengths)
 
 
 def test_adaptive_rounds_are_refused_without_draft_chains(tiny_model):
@@ -735,6 +746,22 @@ def _request(length: int = 100) -> Request:
     return Request(
         request_id=0, prompt_ids=list(range(FIRST_PROMPT_TOKEN, FIRST_PROMPT_TOKEN + length)), params=SamplingParams()
     )
+
+
+def test_pillar_learns_from_a_plain_step_only_once_its_recent_run_fills_the_budget():
+    """A plain step (a verify without drafts) hands its attention to PillarAttn when there is no pattern yet,
+    or when the run every draft reads on top of the pattern has grown to a whole budget (11 positions at a
+    ~105-position context); a round's verify always does (the scheduler's part)."""
+    policy = _pillar(k=4, min_budget=8, sparsity=0.1)
+    request = _request()
+    assert policy.learns_from_plain_step(request), "no pattern yet"
+    policy.on_verify(request, torch.rand(len(policy.sparse_layers), 2, 100), 95)
+    request.num_computed_tokens = 100
+    assert request.round.recent_start == 95 and not policy.learns_from_plain_step(request)
+    request.num_computed_tokens = 104  # a run of 9 positions, budget 11 at 105 positions
+    assert not policy.learns_from_plain_step(request)
+    request.num_computed_tokens = 106  # 11 positions, budget 11
+    assert policy.learns_from_plain_step(request)
 
 
 # Per (sparse layer, KV head): five older positions given the most mass.

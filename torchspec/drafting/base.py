@@ -46,6 +46,12 @@ class DraftPolicy:
         """Whether the request can start a round with drafts (e.g. PillarAttn needs one verify's scores)."""
         return True
 
+    def learns_from_plain_step(self, request: Request) -> bool:
+        """Whether a verify without drafts (a plain step, e.g. one the round length chose) should hand its
+        attention to the policy (``on_verify``): every verify does unless a policy says its state is fresh
+        enough, since learning can cost a plain step as much as its forward."""
+        return True
+
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Token proposers: up to ``max_tokens`` draft tokens to verify next."""
         raise NotImplementedError

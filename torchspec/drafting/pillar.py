@@ -30,6 +30,16 @@ class PillarPolicy(DraftPolicy):
     def ready(self, request: Request) -> bool:
         return request.round.pattern is not None
 
+    def learns_from_plain_step(self, request: Request) -> bool:
+        """Only once the pattern is missing or the recent run (every position from ``recent_start``, which
+        every draft reads on top of the pattern) has grown to a whole budget: a Top-K over every older
+        position, and the mass pass before it, cost a full-batch plain step on W1 ~9 of its 21 ms, and a
+        pattern some tokens old drafts about as well. Draft lists stay within about twice the budget."""
+        if request.round.pattern is None:
+            return True
+        position = request.num_computed_tokens
+        return position - request.round.recent_start >= self.budget(position + 1)
+
     def __init__(self, config: SpecConfig, layers: Sequence[LayerSpec]) -> None:
         super().__init__(config, layers)
         self.num_sinks = 0  # first tokens always kept (the paper keeps none)
