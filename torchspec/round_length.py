@@ -15,6 +15,8 @@ round at full length, then a plain step; afterwards the mode not chosen is measu
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,7 +25,9 @@ import numpy as np
 from torchspec.request import SpeculationStats
 
 RECENT_ROUNDS = 16  # a request's acceptance is estimated from its last rounds
-SMOOTHING = 0.25  # weight of the newest step in the cost averages
+# A cost is the median of a bucket's last measurements: a step that captured a graph or compiled a kernel (on
+# W1 one round took 355 ms among rounds of 68 ms) does not move it, and a few steps follow a real change.
+RECENT_STEPS = 5
 REFRESH_STEPS = 32  # a bucket's steps between two measurements of the mode it does not choose
 
 
@@ -42,21 +46,23 @@ def expected_tokens(rates: np.ndarray, k: int) -> np.ndarray:
     return np.cumsum(rates[:, None] ** np.arange(k + 1), axis=1)
 
 
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+def _median(values: deque[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 @dataclass
 class StepCosts:
-    """Measured milliseconds of a batch-size bucket's steps (exponential averages)."""
+    """Measured milliseconds of a batch-size bucket's steps, the last ``RECENT_STEPS`` of each kind."""
 
-    plain_ms: float | None = None  # a step without drafts
-    round_ms: float | None = None  # a round's step without its drafts: the verify, token selection, bookkeeping
-    draft_ms: float | None = None  # each draft forward of a round (its share of the step until the chain ends)
+    plain: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # a step without drafts
+    # A round's step without its drafts (the verify, token selection, bookkeeping), and each draft forward of a
+    # round (its share of the step until the chain ends).
+    round: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    draft: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     last_measured: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})  # drafting? -> step
 
     def cost(self, length: int) -> float:
-        return self.plain_ms if length == 0 else self.round_ms + length * self.draft_ms
+        return _median(self.plain) if length == 0 else _median(self.round) + length * _median(self.draft)
 
 
 class RoundLength:
@@ -74,9 +80,9 @@ class RoundLength:
         if not self.adaptive or not requests:
             return self.k
         costs = self._buckets.setdefault(_bucket(len(requests)), StepCosts())
-        if costs.round_ms is None:
+        if not costs.round:
             return self.k
-        if costs.plain_ms is None:
+        if not costs.plain:
             return 0
         rates = np.array(
             [
@@ -102,10 +108,10 @@ class RoundLength:
         costs = self._buckets.setdefault(_bucket(batch), StepCosts())
         costs.last_measured[length > 0] = self._steps
         if length == 0:
-            costs.plain_ms = _average(costs.plain_ms, wall_ms)
+            costs.plain.append(wall_ms)
         elif drafts_ms is not None:
-            costs.draft_ms = _average(costs.draft_ms, drafts_ms / length)
-            costs.round_ms = _average(costs.round_ms, max(wall_ms - drafts_ms, 0.0))
+            costs.draft.append(drafts_ms / length)
+            costs.round.append(max(wall_ms - drafts_ms, 0.0))
 
 
 def _bucket(batch: int) -> int:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from torchspec.request import SpeculationStats
-from torchspec.round_length import REFRESH_STEPS, RoundLength, acceptance_rate, expected_tokens
+from torchspec.round_length import RECENT_STEPS, REFRESH_STEPS, RoundLength, acceptance_rate, expected_tokens
 
 
 def _stats(accepted: list[int], drafted: list[int]) -> SpeculationStats:
@@ -69,3 +69,19 @@ def test_a_fixed_round_length_ignores_costs():
     rounds.observe(1, 4, 30.0, 26.0)
     rounds.observe(1, 0, 2.0, None)
     assert rounds.choose([_stats([0], [4])]) == 4
+
+
+def test_one_slow_step_does_not_move_the_costs():
+    """A round that captured a graph (W1: 355 ms among rounds of 68 ms) is one measurement among the last few:
+    the choice stays; rounds that really got slower move it within a few steps."""
+    rounds = RoundLength(8, adaptive=True)
+    good = [_stats([8, 7, 8], [8, 8, 8])] * 256
+    for _ in range(3):
+        rounds.observe(256, 8, 68.0, 40.0)
+    rounds.observe(256, 0, 16.0, None)
+    assert rounds.choose(good) == 8
+    rounds.observe(256, 8, 355.0, 40.0)
+    assert rounds.choose(good) == 8
+    for _ in range(RECENT_STEPS):
+        rounds.observe(256, 8, 355.0, 300.0)
+    assert rounds.choose(good) == 0
