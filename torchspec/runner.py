@@ -163,14 +163,17 @@ class Runner:
         if not items or self.policy.selects_in_attention:
             return {}, None
         requests = [item.request for item in items]
-        view, _ = self._policy_lists(requests, [item.first_position for item in items])  # lists [layers, Hkv, N]
+        rows = [self.table.row(request) for request in requests]
+        view, _ = self._policy_lists(requests, rows, [item.first_position for item in items])  # [layers, Hkv, N]
         return self._layer_views(view), view.kv_indices
 
-    def _policy_lists(self, requests: Sequence[Request], positions: Sequence[int]) -> tuple[KVView, list[int]]:
-        """The lists the policy fixes for draft forwards of ``requests`` at ``positions`` (see ``_draft_lists``)."""
+    def _policy_lists(
+        self, requests: Sequence[Request], rows: Sequence[int], positions: Sequence[int]
+    ) -> tuple[KVView, list[int]]:
+        """The lists the policy fixes for draft forwards of ``requests`` (slot-table ``rows``) at ``positions``
+        (see ``_draft_lists``)."""
         chosen = [self.policy.draft_positions(r, p) for r, p in zip(requests, positions, strict=True)]
         fixed, recent_from = zip(*chosen, strict=True)
-        rows = [self.table.row(request) for request in requests]
         return self._draft_lists(rows, positions, fixed, recent_from)
 
     def _layer_views(self, view: KVView) -> dict[int, KVView]:
@@ -358,11 +361,12 @@ class Runner:
         first_positions = np.array([item.first_position for item in drafts])
         positions = (first_positions[owner] + np.repeat(np.arange(1, longest), counts)).tolist()
         requests = [drafts[i].request for i in owner.tolist()]
+        rows = np.array([self.table.row(item.request) for item in drafts])[owner].tolist()
         layout = self._tensor([positions, [r.slots[p] for r, p in zip(requests, positions, strict=True)]])
-        self.table.write([self.table.row(request) for request in requests], positions, layout[1])
+        self.table.write(rows, positions, layout[1])
         lists, offsets = None, None
         if not self.policy.selects_in_attention:
-            lists, offsets = self._policy_lists(requests, positions)
+            lists, offsets = self._policy_lists(requests, rows, positions)
         if self._chain_graph_runs(drafts):
             self.draft_probs.reserve(self.max_batch_size + 1, vocab_size)  # a fixed store the graph writes
             inputs = self._chain_inputs(drafts, counts, first, layout, lists, offsets)
