@@ -61,8 +61,10 @@ class StepCosts:
     draft: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     last_measured: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})  # drafting? -> step
 
-    def cost(self, length: int) -> float:
-        return _median(self.plain) if length == 0 else _median(self.round) + length * _median(self.draft)
+    def costs(self, k: int) -> np.ndarray:
+        """``[k + 1]``: the cost of a step with rounds of each length 0..k (0: a plain step)."""
+        lengths = np.arange(k + 1)
+        return np.where(lengths == 0, _median(self.plain), _median(self.round) + lengths * _median(self.draft))
 
 
 class RoundLength:
@@ -92,7 +94,7 @@ class RoundLength:
         )
         # Tokens the batch makes per ms at each length 0..k.
         tokens = expected_tokens(rates, self.k).sum(axis=0)
-        goodput = tokens / np.array([costs.cost(length) for length in range(self.k + 1)])
+        goodput = tokens / costs.costs(self.k)
         best_round = 1 + int(np.argmax(goodput[1:]))
         drafting = bool(goodput[best_round] > goodput[0])
         if self._steps - costs.last_measured[not drafting] >= REFRESH_STEPS:

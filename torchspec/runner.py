@@ -310,11 +310,10 @@ class Runner:
         newest_at = np.cumsum(1 + chains) - 1 - chains
         owner = np.repeat(np.arange(len(rounds)), chains)
         column = np.arange(owner.size) - np.repeat(np.cumsum(chains) - chains, chains)
-        input_ids = torch.zeros(int(newest_at[-1] + chains[-1] + 1), dtype=torch.int64, device=self.device)
+        ids = np.zeros(int(newest_at[-1] + chains[-1] + 1), dtype=np.int64)  # the drafts' places filled below
+        ids[newest_at] = [item.request.token_ids[-1] for _, item in rounds]
+        input_ids = self._tensor(ids)
         rows = np.array([index for index, _ in rounds])
-        newest = [item.request.token_ids[-1] for _, item in rounds]
-        index = self._tensor(np.stack([newest_at, newest]))
-        input_ids[index[0]] = index[1]
         index = self._tensor(np.stack([newest_at[owner] + 1 + column, rows[owner], column]))
         input_ids[index[0]] = drafted[index[1], index[2]]
         input_ids, position_ids, metadata = self.build_metadata(plan, input_ids)
@@ -361,15 +360,16 @@ class Runner:
         first_positions = np.array([item.first_position for item in drafts])
         positions = (first_positions[owner] + np.repeat(np.arange(1, longest), counts)).tolist()
         requests = [drafts[i].request for i in owner.tolist()]
-        rows = np.array([self.table.row(item.request) for item in drafts])[owner].tolist()
+        draft_rows = [self.table.row(item.request) for item in drafts]
+        rows = np.array(draft_rows)[owner].tolist()
         layout = self._tensor([positions, [r.slots[p] for r, p in zip(requests, positions, strict=True)]])
         self.table.write(rows, positions, layout[1])
         lists, offsets = None, None
         if not self.policy.selects_in_attention:
             lists, offsets = self._policy_lists(requests, rows, positions)
-        if self._chain_graph_runs(drafts):
+        if self._chain_graph_runs(drafts, draft_rows):
             self.draft_probs.reserve(self.max_batch_size + 1, vocab_size)  # a fixed store the graph writes
-            inputs = self._chain_inputs(drafts, counts, first, layout, lists, offsets)
+            inputs = self._chain_inputs(drafts, draft_rows, counts, first, layout, lists, offsets)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
             return [tokens[j, :count] for j, count in enumerate(counts)]
         plans = [StepPlan([item.advanced(j) for item in drafts[:count]]) for j, count in enumerate(counts, start=1)]
@@ -380,27 +380,28 @@ class Runner:
             chain.append(self._pick(later, logits, rows).tokens)
         return chain[1:]
 
-    def _chain_graph_runs(self, drafts: Sequence[ScheduledRequest]) -> bool:
+    def _chain_graph_runs(self, drafts: Sequence[ScheduledRequest], rows: Sequence[int]) -> bool:
         """Whether this step's chains replay from the chain graph: sampling by temperature alone, and every
-        request in a row the fixed draft-probs store holds."""
+        request in a slot-table row (``rows``) the fixed draft-probs store holds."""
         if self.chain_graphs is None:
             return False
         params = [item.request.params for item in drafts]
         plain_sampling = all(p.greedy or (p.top_k == 0 and p.top_p == 1.0) for p in params)
-        return plain_sampling and all(self.table.row(item.request) < self.max_batch_size for item in drafts)
+        return plain_sampling and max(rows) < self.max_batch_size
 
     def _chain_inputs(
         self,
         drafts: Sequence[ScheduledRequest],
+        rows: Sequence[int],
         counts: Sequence[int],
         first: torch.Tensor,
         layout: torch.Tensor,
         lists: KVView,
         offsets: list[int],
     ) -> ChainInputs:
-        """The round's chain inputs (see ``ChainInputs``), sent in two copies (integers, temperatures); the
-        positions and slots are the chain ``layout`` (``[2, forwards' requests]``, already on the device)
-        spread into one row per forward."""
+        """The round's chain inputs (see ``ChainInputs``) for draft requests in slot-table ``rows``, sent in two
+        copies (integers, temperatures); the positions and slots are the chain ``layout`` (``[2, forwards'
+        requests]``, already on the device) spread into one row per forward."""
         count, later = len(drafts), self.num_draft_slots - 1
         targets, indptr = [], []  # each layout entry's place in the [later, count] grid; per-forward offsets
         start = 0
@@ -419,7 +420,6 @@ class Runner:
             first_output = item.first_position + 1 - item.request.num_prompt_tokens
             until.append(p.min_new_tokens - first_output if p.stop_token_ids else 0)
         greedy = [int(p.greedy) for p in params]
-        rows = [self.table.row(item.request) for item in drafts]
         values = self._tensor([*targets, *indptr, *until, *stops, *rows, *greedy])
         sizes = [len(targets), later * (count + 1), count, count * width, count, count]
         targets_t, indptr_t, until_t, stops_t, rows_t, greedy_t = values.split(sizes)

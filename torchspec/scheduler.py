@@ -114,6 +114,11 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(item.num_query_tokens for item in self.scheduled)
 
+    @property
+    def round_length(self) -> int:
+        """Drafts of the longest draft chain in the step (0: no drafts, a plain step)."""
+        return max((item.chain for item in self.scheduled if item.phase is Phase.DRAFT), default=0)
+
 
 @dataclass(slots=True)
 class StepResult:
@@ -164,7 +169,7 @@ class Scheduler:
         """Draft and verify steps first (one per decoding request), then prefill chunks within the budget.
         ``in_flight``: the step launched and not yet committed (delayed verification, see the module docstring)."""
         self._admit()
-        if self.policy is not None:
+        if self.round_length.adaptive:
             starting = [r.spec_stats for r in self.running if r.decoding and r.round.length is None]
             self._length = self.round_length.choose(starting)
         pending = {id(item.request): item for item in in_flight.scheduled} if in_flight is not None else {}
@@ -211,8 +216,7 @@ class Scheduler:
         started). Decoding steps only: a step with prompt chunks costs what no round costs."""
         if any(item.phase is Phase.PREFILL for item in plan.scheduled):
             return
-        length = max((item.chain for item in plan.scheduled if item.phase is Phase.DRAFT), default=0)
-        self.round_length.observe(len(plan.scheduled), length, wall_ms, drafts_ms)
+        self.round_length.observe(len(plan.scheduled), plan.round_length, wall_ms, drafts_ms)
 
     def _runs_on(self, item: ScheduledRequest) -> bool:
         """Whether a request of the step in flight runs in the next step too (fed its token on the device): its

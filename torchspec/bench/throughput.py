@@ -35,7 +35,6 @@ from torchspec.causal_lm import RequestOutput
 from torchspec.config import DRAFT_POLICIES
 from torchspec.engine import Engine
 from torchspec.models import load_model
-from torchspec.scheduler import Phase
 from torchspec.workloads import chat_token_ids, read_prompts
 
 
@@ -57,8 +56,7 @@ class StepTimeline:
             last = time.perf_counter()
             for plan, finished in run_steps(requests):
                 now = time.perf_counter()
-                length = max((item.chain for item in plan.scheduled if item.phase is Phase.DRAFT), default=0)
-                self.steps.append((len(plan.scheduled), now - last, length))
+                self.steps.append((len(plan.scheduled), now - last, plan.round_length))
                 last = now
                 yield plan, finished
 
