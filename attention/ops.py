@@ -1,7 +1,7 @@
 """The Triton op set as ``torch.library`` custom ops with fake implementations.
 
 torch.compile treats each op as opaque (no graph breaks, no tracing into Triton launches) and infers output
-shapes from the fake implementations. The module has the same three functions as
+shapes from the fake implementations. The module has the same functions as
 :mod:`attention.reference`, so the engine swaps one for the other.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from attention import paged
+from attention import layer_kernels, paged
 from attention.reference import FirstLists, store_kv
 
-__all__ = ["attention_mass", "paged_attention", "store_kv"]
+__all__ = ["attention_mass", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "store_kv"]
 
 
 @torch.library.custom_op("torchspec::paged_attention", mutates_args=())
@@ -136,3 +136,38 @@ def attention_mass(
     return _attention_mass(
         query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, lse, scale, num_scored_queries, max_scored, max_kv_len
     )
+
+
+@torch.library.custom_op("torchspec::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See :func:`attention.reference.rms_norm`."""
+    return layer_kernels.rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+@torch.library.custom_op("torchspec::silu_and_mul", mutates_args=())
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See :func:`attention.reference.silu_and_mul`."""
+    return layer_kernels.silu_and_mul(gate_up)
+
+
+@silu_and_mul.register_fake
+def _(gate_up):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("torchspec::rotary_embedding", mutates_args=())
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`attention.reference.rotary_embedding`."""
+    return layer_kernels.rotary_embedding(query, key, cos, sin)
+
+
+@rotary_embedding.register_fake
+def _(query, key, cos, sin):
+    return query.new_empty(query.shape), key.new_empty(key.shape)

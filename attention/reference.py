@@ -1,4 +1,7 @@
-"""Plain-PyTorch reference of every attention op: the specification the fast kernels are tested against.
+"""Plain-PyTorch reference of every op: the specification the fast kernels are tested against.
+
+The layer ops at the end (RMSNorm, SiLU x mul, rotary embedding) compute exactly what transformers' Llama-family
+modules compute, rounding where they round, so a forward fused from them gives the model's own numbers.
 
 Layout conventions (shared by every implementation of these ops):
 
@@ -183,3 +186,29 @@ def attention_mass(
         probs = torch.exp(logits - row_lse).masked_fill(~visible, 0.0)
         mass[:, kv_start:kv_end] = probs.mean(dim=(1, 2))
     return mass
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm`` over the last dimension of ``x`` (any leading shape): normalise in fp32,
+    round to ``x``'s dtype, then scale by ``weight``."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [..., 2 * I]`` holding gate then up (a fused gate/up projection)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` (rotate-half layout) for ``query`` ``[T, H, D]`` and ``key``
+    ``[T, Hkv, D]`` with ``cos``/``sin`` ``[T, D]``; returns new contiguous tensors."""
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        first, second = x.chunk(2, dim=-1)
+        return x * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None]
+
+    return rotate(query).contiguous(), rotate(key).contiguous()

@@ -83,6 +83,10 @@ class SpecConfig:
             (torchspec/round_length.py): a round where drafts cost about what a plain step does (few requests,
             short context) gives way to plain decoding. Same tokens and distribution at every length. ``None`` =
             on with draft chains on CUDA; elsewhere every round drafts k, so a CPU run repeats step for step.
+        fuse_layers: inside an engine run, a Llama-family layer's q/k/v and gate/up projections run as one GEMM
+            each, and its RMSNorms, rotary embedding and SiLU x mul as one kernel each (torchspec/fused_layers.py:
+            the numbers transformers computes, in ~4x fewer kernels per forward). ``None`` = on wherever a
+            module is recognised and a probe forward (when the engine is built) matches the model's own logits.
         attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device),
             ``"auto"`` (Triton on CUDA, the reference elsewhere) or ``"flex"`` (``"auto"`` with FlexAttention
             for prefill chunks: a document mask built from the slot lists; measured 6.5-7.4x slower than the Triton
@@ -107,6 +111,7 @@ class SpecConfig:
     cuda_graphs: bool | None = None
     draft_chain: bool | None = None
     adaptive_rounds: bool | None = None
+    fuse_layers: bool | None = None
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -142,7 +147,7 @@ class SpecConfig:
         )
         for name in ("offload", "unified_schedule", "head_budgets"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")
-        for name in ("compile", "cuda_graphs", "draft_chain", "adaptive_rounds", "delayed_verify"):
+        for name in ("compile", "cuda_graphs", "draft_chain", "adaptive_rounds", "delayed_verify", "fuse_layers"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")
         _require(not self.offload, "offload=True is not available in this release; leave it at its default")
         _require(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -10,6 +11,7 @@ import torch
 import attention
 from torchspec.config import SpecConfig
 from torchspec.drafting import DraftPolicy, make_policy
+from torchspec.fused_layers import FusedLayers
 from torchspec.hf import routed_attention
 from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens, step_workspace_bytes
 from torchspec.request import FinishReason, Request, SamplingParams
@@ -92,6 +94,7 @@ class Engine:
         )
         self.pool = KVPool(layers, capacity, self.dtype, self.device)
         ops = attention.load_ops(config.attention_backend, self.device)
+        self.fused_layers = FusedLayers(model, layers, ops) if config.fuse_layers is not False else None
         self.runner = Runner(
             model,
             self.pool,
@@ -165,7 +168,7 @@ class Engine:
         self.runner.table.reset()
         in_flight: LaunchedStep | None = None  # launched, not yet read back (delayed verification)
         try:
-            with routed_attention(self.model):
+            with routed_attention(self.model), self._fused_forwards():
                 while scheduler.has_work():
                     started = time.perf_counter()
                     plan = scheduler.schedule(in_flight.plan if in_flight is not None else None)
@@ -188,6 +191,9 @@ class Engine:
                 request.error = "stopped before finishing"
             for request in scheduler.waiting:
                 request.finish(FinishReason.ERROR, "stopped before starting")
+
+    def _fused_forwards(self) -> contextlib.AbstractContextManager:
+        return self.fused_layers.installed() if self.fused_layers is not None else contextlib.nullcontext()
 
     def _commit(self, scheduler: Scheduler, step: LaunchedStep) -> tuple[StepPlan, list[Request]]:
         """Read a launched step back and apply it; the finished requests give their slot-table rows back."""

@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from attention import paged
+from attention import layer_kernels, paged
 from attention.reference import FirstLists
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -32,7 +32,14 @@ TRITON_TYPES = {
     torch.int64: "i64",
     torch.int32: "i32",
 }
-KERNELS = ("_attention_kernel", "_merge_splits_kernel", "_mass_kernel")
+KERNELS = (
+    (paged, "_attention_kernel"),
+    (paged, "_merge_splits_kernel"),
+    (paged, "_mass_kernel"),
+    (layer_kernels, "_rms_norm_kernel"),
+    (layer_kernels, "_silu_and_mul_kernel"),
+    (layer_kernels, "_rotary_kernel"),
+)
 
 
 class _Recorder:
@@ -106,6 +113,17 @@ def _fused_launch_and_mass() -> None:
                          max_kv_len=context)  # fmt: skip
 
 
+def _layer_ops() -> None:
+    """A SmolLM2 layer's small ops in bf16: RMSNorm of rows and of heads read in place, SiLU x mul, RoPE."""
+    qkv = torch.randn(16, 15, 64).to(torch.bfloat16)
+    weight = torch.randn(64).to(torch.bfloat16)
+    layer_kernels.rms_norm(torch.randn(16, 576).to(torch.bfloat16), torch.randn(576).to(torch.bfloat16), 1e-5)
+    layer_kernels.rms_norm(qkv[:, :9], weight, 1e-6)
+    layer_kernels.silu_and_mul(torch.randn(16, 3072).to(torch.bfloat16))
+    cos = torch.randn(16, 64).to(torch.bfloat16)
+    layer_kernels.rotary_embedding(qkv[:, :9], qkv[:, 9:12], cos, cos)
+
+
 SCENARIOS: dict[str, Callable[[], None]] = {
     "smollm2-decode": _split_launch(9, 3, 64, 1, torch.bfloat16),
     "smollm2-verify": _split_launch(9, 3, 64, 9, torch.bfloat16),
@@ -115,16 +133,17 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "sliding-window": _split_launch(8, 2, 64, 5, torch.bfloat16, window=100),
     "fp32": _split_launch(8, 2, 64, 5, torch.float32),  # exact dots: the test and parity path
     "fused-and-mass": _fused_launch_and_mass,
+    "layer-ops": _layer_ops,
 }
 
 
 def check(name: str) -> str:
     """ "ok" when every launch of scenario ``name`` compiles, else the error."""
-    kernels = {kernel: getattr(paged, kernel) for kernel in KERNELS}
-    recorders = {kernel: _Recorder() for kernel in KERNELS}
+    kernels = {kernel: getattr(module, kernel) for module, kernel in KERNELS}
+    recorders = {kernel: _Recorder() for _, kernel in KERNELS}
     try:
-        for kernel, recorder in recorders.items():
-            setattr(paged, kernel, recorder)
+        for module, kernel in KERNELS:
+            setattr(module, kernel, recorders[kernel])
         SCENARIOS[name]()
         launches = [(kernels[k], call) for k, r in recorders.items() for call in r.calls]
         if not launches:
@@ -135,8 +154,8 @@ def check(name: str) -> str:
     except Exception:
         return traceback.format_exc(limit=-3)[-3000:]
     finally:
-        for kernel, function in kernels.items():
-            setattr(paged, kernel, function)
+        for module, kernel in KERNELS:
+            setattr(module, kernel, kernels[kernel])
 
 
 if __name__ == "__main__":

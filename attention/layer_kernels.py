@@ -1,0 +1,145 @@
+"""Triton kernels for the small ops around attention in a decoder layer: RMSNorm, SiLU x mul, rotary embedding.
+
+At batch 256 a small model's forward is bound by how many kernels it launches, not by its FLOPs: transformers'
+RMSNorm is seven kernels, its rotary embedding ten per layer, SiLU x mul two. Each of these is one kernel
+here, computing what :mod:`attention.reference` computes (the same fp32 steps, rounded to the input dtype where
+transformers rounds), so a fused forward gives the model's own numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Out, stride_row, stride_head, num_heads, dim, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    valid = offs < dim
+    x = tl.load(X + row * stride_row + head * stride_head + offs, mask=valid, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    weight = tl.load(W + offs, mask=valid, other=0.0).to(tl.float32)
+    tl.store(Out + (row * num_heads + head) * dim + offs, (weight * normed).to(Out.dtype.element_ty), mask=valid)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See :func:`attention.reference.rms_norm`; ``x`` is ``[N, D]`` or ``[N, H, D]`` with unit stride in ``D``
+    (a head slice of a fused QKV output is read in place)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 3 or x.stride(0) == x.shape[1] * x.stride(1) else x
+    heads = rows.shape[1] if rows.dim() == 3 else 1
+    stride_head = rows.stride(1) if rows.dim() == 3 else 0
+    dim = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    block = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(rows.shape[0], heads)](
+        rows, weight, out, rows.stride(0), stride_head, heads, dim, eps, BLOCK_D=block, num_warps=_warps(block)
+    )
+    return out
+
+
+@triton.jit
+def _silu_and_mul_kernel(GateUp, Out, stride_row, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < width
+    gate = tl.load(GateUp + row * stride_row + offs, mask=valid, other=0.0)
+    up = tl.load(GateUp + row * stride_row + width + offs, mask=valid, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(Out + row * width + offs, (activated * up).to(Out.dtype.element_ty), mask=valid)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See :func:`attention.reference.silu_and_mul`."""
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    width = rows.shape[1] // 2
+    out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(width))
+    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](
+        rows, out, rows.stride(0), width, BLOCK=block, num_warps=_warps(block)
+    )
+    return out
+
+
+@triton.jit
+def _rotary_kernel(
+    Q,
+    K,
+    Cos,
+    Sin,
+    QOut,
+    KOut,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_st,
+    num_heads,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # query heads first, then KV heads
+    offs = tl.arange(0, BLOCK_D)
+    valid = offs < HEAD_DIM
+    half = HEAD_DIM // 2
+    partner = tl.where(offs < half, offs + half, offs - half)
+    sign = tl.where(offs < half, -1.0, 1.0)
+    if head < num_heads:
+        src = Q + token * stride_qt + head * stride_qh
+        dst = QOut + (token * num_heads + head) * HEAD_DIM
+    else:
+        src = K + token * stride_kt + (head - num_heads) * stride_kh
+        dst = KOut + (token * num_kv_heads + head - num_heads) * HEAD_DIM
+    x = tl.load(src + offs, mask=valid, other=0.0)
+    rotated = tl.load(src + partner, mask=valid, other=0.0).to(tl.float32) * sign
+    cos = tl.load(Cos + token * stride_ct + offs, mask=valid, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + token * stride_st + offs, mask=valid, other=0.0).to(tl.float32)
+    first = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+    second = (rotated * sin).to(x.dtype).to(tl.float32)
+    tl.store(dst + offs, (first + second).to(x.dtype), mask=valid)
+
+
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`attention.reference.rotary_embedding`; ``query``/``key`` may be strided views (unit stride in
+    the head dimension), e.g. slices of a fused QKV output."""
+    tokens, num_heads, dim = query.shape
+    num_kv_heads = key.shape[1]
+    q_out = torch.empty((tokens, num_heads, dim), dtype=query.dtype, device=query.device)
+    k_out = torch.empty((tokens, num_kv_heads, dim), dtype=key.dtype, device=key.device)
+    block = triton.next_power_of_2(dim)
+    _rotary_kernel[(tokens, num_heads + num_kv_heads)](
+        query,
+        key,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        num_heads,
+        num_kv_heads,
+        HEAD_DIM=dim,
+        BLOCK_D=block,
+        num_warps=1,
+    )
+    return q_out, k_out

@@ -1,0 +1,207 @@
+"""Cheaper forwards: a Llama-family layer's projections as one GEMM each and its small ops as one kernel each.
+
+At batch 256 a small model's forward costs what it launches, not what it computes: transformers' SmolLM2 layer
+is ~41 kernels (RMSNorm alone is seven, the rotary embedding ten). Inside an engine run the modules this
+recognises run fused forwards instead: q/k/v as one GEMM, gate/up as one GEMM followed by one SiLU x mul
+kernel, RMSNorm and the rotary embedding one kernel each (``ops``: Triton on CUDA, the plain-PyTorch reference
+elsewhere, which computes what transformers computes). The separate q/k/v and gate/up weights become views of
+the fused ones, so nothing is stored twice and the model outside an engine run is unchanged.
+
+What is recognised: RMSNorm modules of the Llama form (``weight``, ``variance_epsilon``); MLPs with
+``gate_proj``/``up_proj``/``down_proj`` and a SiLU; attention modules with ``q_proj``/``k_proj``/``v_proj``/
+``o_proj`` and optional per-head ``q_norm``/``k_norm`` (Llama, Mistral, Qwen2, Qwen3, ...). A probe forward
+at build time compares the fused model with the model's own forward; if they differ, nothing is fused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType, SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchspec.hf import _ProbeContext, forward_context, paged_attention_forward, routed_attention
+from torchspec.kv_cache import LayerSpec
+
+Ops = ModuleType | SimpleNamespace
+# Largest difference of the fused probe's logits from the model's own, relative to their largest magnitude.
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+_ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+
+
+class FusedLayers:
+    """The fused forwards of one model, installed on its modules for the duration of an engine run."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[LayerSpec], ops: Ops) -> None:
+        self.ops = ops
+        self._layers = {spec.layer_idx: spec for spec in layers}
+        self.forwards: dict[nn.Module, Callable] = {}
+        for module in model.modules():
+            forward = self._fused_forward(module)
+            if forward is not None:
+                self.forwards[module] = forward
+        if self.forwards and not self._matches_model(model):
+            self.forwards = {}
+
+    def count(self, kind: str) -> int:
+        """How many modules of ``kind`` (``"norm"``, ``"mlp"``, ``"attention"``) run fused."""
+        return sum(forward.__name__ == f"fused_{kind}" for forward in self.forwards.values())
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Run the fused forwards in place of the modules' own for the duration."""
+        own = {module: module.__dict__.get("forward") for module in self.forwards}
+        for module, forward in self.forwards.items():
+            module.forward = forward
+        try:
+            yield
+        finally:
+            for module, forward in own.items():
+                if forward is None:
+                    del module.forward
+                else:
+                    module.forward = forward
+
+    def _fused_forward(self, module: nn.Module) -> Callable | None:
+        if hasattr(module, "_hf_hook") or "forward" in module.__dict__:
+            return None  # an accelerate hook (offload, device placement) must keep running
+        if _is_rms_norm(module):
+            return self._norm_forward(module)
+        if _is_silu_mlp(module):
+            return self._mlp_forward(module)
+        if getattr(module, "layer_idx", None) in self._layers and _is_plain_attention(module):
+            return self._attention_forward(module, self._layers[module.layer_idx])
+        return None
+
+    def _norm_forward(self, norm: nn.Module) -> Callable:
+        rms_norm = self.ops.rms_norm
+
+        def fused_norm(hidden_states: torch.Tensor) -> torch.Tensor:
+            return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
+
+        return fused_norm
+
+    def _mlp_forward(self, mlp: nn.Module) -> Callable:
+        weight, bias = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+        silu_and_mul, down_proj = self.ops.silu_and_mul, mlp.down_proj
+
+        def fused_mlp(x: torch.Tensor) -> torch.Tensor:
+            return down_proj(silu_and_mul(F.linear(x, weight, bias)))
+
+        return fused_mlp
+
+    def _attention_forward(self, attention: nn.Module, spec: LayerSpec) -> Callable:
+        weight, bias = _fuse_linears([attention.q_proj, attention.k_proj, attention.v_proj])
+        ops, o_proj = self.ops, attention.o_proj
+        heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+
+        def fused_attention(
+            hidden_states: torch.Tensor,
+            position_embeddings: tuple[torch.Tensor, torch.Tensor],
+            attention_mask: torch.Tensor | None = None,
+            **kwargs: object,
+        ) -> tuple[torch.Tensor, None]:
+            qkv = F.linear(hidden_states, weight, bias).view(-1, heads + 2 * kv_heads, head_dim)
+            query, key, value = qkv.split([heads, kv_heads, kv_heads], dim=1)
+            if q_norm is not None:
+                query = ops.rms_norm(query, q_norm.weight, q_norm.variance_epsilon)
+                key = ops.rms_norm(key, k_norm.weight, k_norm.variance_epsilon)
+            cos, sin = (t.reshape(-1, head_dim) for t in position_embeddings)
+            query, key = ops.rotary_embedding(query, key, cos, sin)
+            out, _ = paged_attention_forward(
+                attention,
+                *(t.transpose(0, 1)[None] for t in (query, key, value)),
+                attention_mask,
+                scaling=spec.scaling,
+                sliding_window=spec.sliding_window,
+            )
+            return o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+        return fused_attention
+
+    def _matches_model(self, model: nn.Module) -> bool:
+        """Whether a probe forward gives the model's own logits with the fused forwards; warns if not."""
+        parameter = next(model.parameters())
+        vocab = model.get_input_embeddings().num_embeddings
+        input_ids = (torch.arange(8, device=parameter.device) * 7919 % vocab)[None]
+        positions = torch.arange(8, device=parameter.device)[None]
+
+        def logits() -> torch.Tensor:
+            with forward_context(_ProbeContext()):
+                return model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
+
+        with torch.inference_mode(), routed_attention(model):
+            own = logits()
+            with self.installed():
+                fused = logits()
+        error = ((fused - own).abs().max() / own.abs().max().clamp_min(1e-6)).item()
+        if error <= PROBE_TOLERANCE.get(parameter.dtype, 5e-2):
+            return True
+        warnings.warn(
+            f"torchspec: the fused layers of {type(model).__name__} give logits {error:.2g} away from the model's "
+            "own forward, so the model runs unfused (slower); pass fuse_layers=False to silence this",
+            stacklevel=3,
+        )
+        return False
+
+
+def _is_rms_norm(module: nn.Module | None) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and not any(module.children())
+    )
+
+
+def _is_silu_mlp(module: nn.Module) -> bool:
+    names = ("gate_proj", "up_proj", "down_proj")
+    return (
+        all(isinstance(getattr(module, name, None), nn.Linear) for name in names)
+        and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+        and {name for name, _ in module.named_children()} == {*names, "act_fn"}
+        and _fusable([module.gate_proj, module.up_proj])
+    )
+
+
+def _is_plain_attention(module: nn.Module) -> bool:
+    children = dict(module.named_children())
+    projections = [children.get(name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    norms = [children.get(name) for name in ("q_norm", "k_norm")]
+    head_dim = getattr(module, "head_dim", None)
+    return (
+        set(children) <= _ATTENTION_CHILDREN
+        and all(isinstance(p, nn.Linear) for p in projections)
+        and _fusable(projections[:3])
+        and (norms == [None, None] or all(_is_rms_norm(n) and n.weight.numel() == head_dim for n in norms))
+    )
+
+
+def _fusable(linears: list[nn.Linear]) -> bool:
+    """Plain floating weights on one device and dtype, with biases on all or none."""
+    weights = [linear.weight for linear in linears]
+    return (
+        all(type(w) in (torch.Tensor, nn.Parameter) and w.is_floating_point() for w in weights)
+        and len({(w.device, w.dtype, w.shape[1]) for w in weights}) == 1
+        and len({linear.bias is None for linear in linears}) == 1
+    )
+
+
+def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) stacking ``linears``' outputs; each linear's own becomes a view of it."""
+
+    def fuse(name: str) -> torch.Tensor:
+        parts = [getattr(linear, name) for linear in linears]
+        fused = torch.cat([part.detach() for part in parts])
+        for linear, part, view in zip(linears, parts, fused.split([p.shape[0] for p in parts]), strict=True):
+            setattr(linear, name, nn.Parameter(view, requires_grad=part.requires_grad))
+        return fused
+
+    return fuse("weight"), fuse("bias") if linears[0].bias is not None else None
