@@ -218,7 +218,27 @@ def _attend_work(
     tl.store(Lse + tok * stride_lt + q_head * stride_lh + split * stride_ls, lse, mask=row_valid)
 
 
-@triton.jit
+# Per-step counts, list lengths and output strides (their values change with every batch): left unspecialised, so a
+# new batch composition never compiles a new variant (Triton otherwise specialises an int on being 1 or a
+# multiple of 16; on W1 such variants cost seconds of compilation in the first steps).
+_PER_STEP = [
+    f"{name}_{group}"
+    for group in ("first", "second")
+    for name in (
+        "stride_idx",
+        "stride_ot",
+        "stride_oh",
+        "stride_os",
+        "stride_lt",
+        "stride_lh",
+        "stride_ls",
+        "tiles",
+        "splits",
+    )
+]
+
+
+@triton.jit(do_not_specialize=["num_first", "programs_second", "window", *_PER_STEP])
 def _attention_kernel(
     Q,
     K,
@@ -299,7 +319,9 @@ def _attention_kernel(
         )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_first", "splits_first", "splits_second", "stride_pt", "stride_ph", "stride_ps", "stride_lt"]
+)
 def _merge_splits_kernel(
     PartOut,
     PartLse,
@@ -349,7 +371,7 @@ def _merge_splits_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_mh"])
 def _mass_kernel(
     Q,
     K,

@@ -171,7 +171,7 @@ class Scheduler:
         self._admit()
         if self.round_length.adaptive:
             starting = [r.spec_stats for r in self.running if r.decoding and r.round.length is None]
-            self._length = self.round_length.choose(starting)
+            self._length = 0 if self._filling() else self.round_length.choose(starting)
         pending = {id(item.request): item for item in in_flight.scheduled} if in_flight is not None else {}
         decoding: list[tuple[Request, ScheduledRequest]] = []
         prefilling: list[tuple[Request, None, int]] = []  # no step yet: its chunk is sized below, ``ahead`` on
@@ -217,6 +217,14 @@ class Scheduler:
         if any(item.phase is Phase.PREFILL for item in plan.scheduled):
             return
         self.round_length.observe(len(plan.scheduled), plan.round_length, wall_ms, drafts_ms)
+
+    def _filling(self) -> bool:
+        """The batch is still filling: its pending prompt tokens exceed one step's budget. Its steps then
+        decode plainly, since each step of the ramp holds another number of decoding requests, and a round
+        at each of them would capture graphs (and compile kernels) for batch sizes used once (W1: 35 s of
+        its first 20 steps). A newcomer joining a running batch fits one step, so rounds go on around it."""
+        pending = sum(request.num_pending_tokens for request in self.running if not request.decoding)
+        return pending > self.max_step_tokens
 
     def _runs_on(self, item: ScheduledRequest) -> bool:
         """Whether a request of the step in flight runs in the next step too (fed its token on the device): its

@@ -122,6 +122,7 @@ class Recorder:
     draft_calls: list[DraftCall] = field(default_factory=list)
     prefill_samples: list[Request] = field(default_factory=list)  # last prompt chunks, which sample a token
     step_tokens: list[int] = field(default_factory=list)
+    step_prefill_tokens: list[int] = field(default_factory=list)
     step_requests: list[set[int]] = field(default_factory=list)
     mixed_steps: int = 0  # steps holding a prefill chunk next to a draft or verify
     step_phases: list[set[Phase]] = field(default_factory=list)
@@ -141,6 +142,9 @@ class Recorder:
             ]
             results = collect(step)
             recorder.step_tokens.append(plan.num_tokens)
+            recorder.step_prefill_tokens.append(
+                sum(item.num_query_tokens for item in plan.scheduled if item.phase is Phase.PREFILL)
+            )
             recorder.step_requests.append({item.request.request_id for item in plan.scheduled})
             phases = {item.phase for item in plan.scheduled}
             recorder.step_phases.append(phases)
@@ -453,6 +457,26 @@ def test_adaptive_rounds_mix_plain_steps_and_rounds_and_keep_the_tokens(baseline
     # Every round's verify teaches PillarAttn; a plain step right after one does not (its pattern is fresh).
     rounds = sum(1 for v in recorder.verifies if v.drafts)
     assert rounds + len(BATCH.lengths) <= len(learned) < len(recorder.verifies) + len(BATCH.lengths)
+
+
+def test_adaptive_rounds_wait_for_the_batch_to_fill(baseline, monkeypatch):
+    """While the prompts still pending exceed a step's budget (the batch ramping up), steps decode plainly; the
+    first round starts once the rest fits one step. Tokens stay draft=None's."""
+    expected = generated_rows(baseline(GQA, BATCH), BATCH)
+    wrapped, recorder = _wrap(
+        GQA, monkeypatch, draft="pillar_recent", k=4, adaptive_rounds=True, max_step_tokens=16, **MEDIUM
+    )
+    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    assert [o.token_ids for o in outputs] == expected
+    check_bookkeeping(wrapped, recorder)
+    pending, first_round = sum(BATCH.lengths), None
+    for step, phases in enumerate(recorder.step_phases):
+        if Phase.DRAFT in phases:
+            first_round = step
+            break
+        pending -= recorder.step_prefill_tokens[step]
+    assert first_round is not None and first_round > 1, "no plain steps while the prompts filled in"
+    assert pending + recorder.step_prefill_tokens[first_round - 1] > 16 >= pending
 
 
 def test_adaptive_rounds_are_refused_without_draft_chains(tiny_model):
