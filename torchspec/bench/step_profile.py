@@ -5,7 +5,7 @@
 A randomly initialised model of SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads, vocabulary 49,152)
 decodes sampled tokens from random prompts with PillarAttn drafts. Random weights make the drafts mostly
 rejected, which does not change a step's structure (a round always drafts k tokens), so host and GPU work per
-step are those of the real model. After ``--warmup-steps`` (graphs captured, requests past their prompts),
+step are those of the real model. Once every prompt is in, and ``--warmup-steps`` later (graphs captured),
 the wall time of each step is taken (synchronised, so GPU work counts), then ``--profile-steps`` run under
 ``torch.profiler``: host calls that block (e.g. a synchronous copy) show as large self CPU times, idle GPU
 as a self CUDA total well below the wall time.
@@ -24,6 +24,7 @@ import torch
 from torchspec import sparsespec
 from torchspec.bench.records import add_engine_arguments, engine_options
 from torchspec.request import SamplingParams
+from torchspec.scheduler import Phase
 
 SMOLLM2_SHAPE = {
     "vocab_size": 49152,
@@ -61,14 +62,18 @@ def profile_steps(
     options = {"adaptive_rounds": False} | options | {"cuda_graphs": True}
     wrapped = sparsespec.wrap(model, draft="pillar_recent", max_batch_size=batch, **options)
     engine = wrapped.engine
-    # A step emits at most k + 1 tokens per request (a whole round): enough for every step asked for.
-    new_tokens = (engine.config.k + 1) * (warmup_steps + timed_steps + profile_steps)
+    # A step emits at most k + 1 tokens per request (a whole round): enough for the steps that take the prompts
+    # in (each takes up to max_step_tokens of them) and every step asked for.
+    ramp_steps = -(-batch * prompt_len // engine.max_step_tokens) + 1
+    new_tokens = (engine.config.k + 1) * (ramp_steps + warmup_steps + timed_steps + profile_steps)
     params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=0.65)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(vocab, (batch, prompt_len), generator=generator).tolist()
     steps = iter(engine.steps([engine.new_request(i, prompt, params) for i, prompt in enumerate(prompts)]))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    while any(item.phase is Phase.PREFILL for item in next(steps)[0].scheduled):
+        pass  # the prompts are not all in yet: warm-up counts from the first step without a prompt chunk
     timed = []
     for index in range(warmup_steps + timed_steps):
         start = time.perf_counter()
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=200)
-    parser.add_argument("--warmup-steps", type=int, default=114)
+    parser.add_argument("--warmup-steps", type=int, default=16)
     parser.add_argument("--timed-steps", type=int, default=6)
     parser.add_argument("--profile-steps", type=int, default=4)
     add_engine_arguments(parser)  # --draft-chain, --compile, ... (graphs are always on)
