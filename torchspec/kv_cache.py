@@ -87,14 +87,16 @@ def auto_capacity_tokens(
     """Size the pool from free memory, after the weights (already loaded) and ``workspace_bytes`` (what steps
     allocate besides the pool: logits, sampling, graphs; see ``step_workspace_bytes``).
 
-    On a GPU the pool takes 90% of what is left, with no cap from the model's context length: requests longer
-    than the batch's share of the pool only wait when memory itself runs out. On a CPU it takes at most a
-    quarter of the host's available RAM and no more than ``host_ceiling_tokens`` (max batch x context), since
-    the host's memory is everybody's.
+    On a GPU the pool takes 90% of what is left (memory the allocator caches counts as free), with no cap from
+    the model's context length: requests longer than the batch's share of the pool only wait when memory itself
+    runs out. On a CPU it takes at most a quarter of the host's available RAM and no more than
+    ``host_ceiling_tokens`` (max batch x context), since the host's memory is everybody's.
     """
     per_token = bytes_per_token(layers, dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
+        # Blocks PyTorch's allocator holds but no tensor uses (an earlier engine's pool) are free to reuse.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         tokens = int((free - workspace_bytes) * _DEVICE_MEMORY_FRACTION) // per_token
     else:
         budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * _HOST_MEMORY_FRACTION)
