@@ -137,5 +137,5 @@ def with_flex_prefill(base: ModuleType) -> SimpleNamespace:
         prefill = hints.get("first_lists") is None and (hints.get("max_q_len") or 0) > MIN_QUERY_LEN
         return (prefill_attention if prefill else base.paged_attention)(*arrays, **hints)
 
-    others = ("attention_mass", "store_kv", "rms_norm", "silu_and_mul", "rotary_embedding")
+    others = ("attention_mass", "store_kv", "rms_norm", "silu_and_mul", "rotary_store_kv")
     return SimpleNamespace(paged_attention=paged_attention, **{name: getattr(base, name) for name in others})

@@ -1,9 +1,10 @@
-"""Triton kernels for the small ops around attention in a decoder layer: RMSNorm, SiLU x mul, rotary embedding.
+"""Triton kernels for the small ops around attention in a decoder layer: RMSNorm, SiLU x mul, and the rotary
+embedding with the K/V store.
 
 At batch 256 a small model's forward is bound by how many kernels it launches, not by its FLOPs: transformers'
-RMSNorm is seven kernels, its rotary embedding ten per layer, SiLU x mul two. Each of these is one kernel
-here, computing what :mod:`attention.reference` computes (the same fp32 steps, rounded to the input dtype where
-transformers rounds), so a fused forward gives the model's own numbers.
+RMSNorm is seven kernels, its rotary embedding ten per layer, SiLU x mul two, and the K/V store two more. Each
+of these is one kernel here, computing what :mod:`attention.reference` computes (the same fp32 steps, rounded
+to the input dtype where transformers rounds), so a fused forward gives the model's own numbers.
 """
 
 from __future__ import annotations
@@ -73,73 +74,102 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(
+def _rotary_store_kernel(
     Q,
     K,
+    V,
     Cos,
     Sin,
     QOut,
-    KOut,
+    KCache,
+    VCache,
+    Slots,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_ct,
     stride_st,
+    stride_cache_slot,
     num_heads,
     num_kv_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """One (token, head) row, heads numbered queries, then keys, then values: a query row is rotated into
+    ``QOut``, a key row rotated into the cache at the token's slot, a value row copied there."""
     token = tl.program_id(0)
-    head = tl.program_id(1)  # query heads first, then KV heads
+    head = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
     valid = offs < HEAD_DIM
-    half = HEAD_DIM // 2
-    partner = tl.where(offs < half, offs + half, offs - half)
-    sign = tl.where(offs < half, -1.0, 1.0)
-    if head < num_heads:
-        src = Q + token * stride_qt + head * stride_qh
-        dst = QOut + (token * num_heads + head) * HEAD_DIM
+    if head >= num_heads + num_kv_heads:
+        value = tl.load(V + token * stride_vt + (head - num_heads - num_kv_heads) * stride_vh + offs, mask=valid)
+        slot = tl.load(Slots + token)
+        row = VCache + slot * stride_cache_slot + (head - num_heads - num_kv_heads) * HEAD_DIM
+        tl.store(row + offs, value.to(VCache.dtype.element_ty), mask=valid)
     else:
-        src = K + token * stride_kt + (head - num_heads) * stride_kh
-        dst = KOut + (token * num_kv_heads + head - num_heads) * HEAD_DIM
-    x = tl.load(src + offs, mask=valid, other=0.0)
-    rotated = tl.load(src + partner, mask=valid, other=0.0).to(tl.float32) * sign
-    cos = tl.load(Cos + token * stride_ct + offs, mask=valid, other=0.0).to(tl.float32)
-    sin = tl.load(Sin + token * stride_st + offs, mask=valid, other=0.0).to(tl.float32)
-    first = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
-    second = (rotated * sin).to(x.dtype).to(tl.float32)
-    tl.store(dst + offs, (first + second).to(x.dtype), mask=valid)
+        if head < num_heads:
+            src = Q + token * stride_qt + head * stride_qh
+            dst = QOut + (token * num_heads + head) * HEAD_DIM
+        else:
+            src = K + token * stride_kt + (head - num_heads) * stride_kh
+            dst = KCache + tl.load(Slots + token) * stride_cache_slot + (head - num_heads) * HEAD_DIM
+        half = HEAD_DIM // 2
+        partner = tl.where(offs < half, offs + half, offs - half)
+        sign = tl.where(offs < half, -1.0, 1.0)
+        x = tl.load(src + offs, mask=valid, other=0.0)
+        rotated = tl.load(src + partner, mask=valid, other=0.0).to(tl.float32) * sign
+        cos = tl.load(Cos + token * stride_ct + offs, mask=valid, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + token * stride_st + offs, mask=valid, other=0.0).to(tl.float32)
+        first = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+        second = (rotated * sin).to(x.dtype).to(tl.float32)
+        tl.store(dst + offs, (first + second).to(x.dtype).to(dst.dtype.element_ty), mask=valid)
 
 
-def rotary_embedding(
-    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`attention.reference.rotary_embedding`; ``query``/``key`` may be strided views (unit stride in
-    the head dimension), e.g. slices of a fused QKV output."""
+def rotary_store_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """See :func:`attention.reference.rotary_store_kv`; ``query``/``key``/``value`` may be strided views (unit
+    stride in the head dimension), e.g. slices of a fused QKV output. The caches are ``[slots, Hkv, D]``
+    with contiguous rows."""
     tokens, num_heads, dim = query.shape
     num_kv_heads = key.shape[1]
     q_out = torch.empty((tokens, num_heads, dim), dtype=query.dtype, device=query.device)
-    k_out = torch.empty((tokens, num_kv_heads, dim), dtype=key.dtype, device=key.device)
+    if tokens == 0:
+        return q_out
     block = triton.next_power_of_2(dim)
-    _rotary_kernel[(tokens, num_heads + num_kv_heads)](
+    _rotary_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
         query,
         key,
+        value,
         cos,
         sin,
         q_out,
-        k_out,
+        k_cache,
+        v_cache,
+        slot_mapping,
         query.stride(0),
         query.stride(1),
         key.stride(0),
         key.stride(1),
+        value.stride(0),
+        value.stride(1),
         cos.stride(0),
         sin.stride(0),
+        k_cache.stride(0),
         num_heads,
         num_kv_heads,
         HEAD_DIM=dim,
         BLOCK_D=block,
         num_warps=1,
     )
-    return q_out, k_out
+    return q_out

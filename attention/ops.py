@@ -12,7 +12,7 @@ import torch
 from attention import layer_kernels, paged
 from attention.reference import FirstLists, store_kv
 
-__all__ = ["attention_mass", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "store_kv"]
+__all__ = ["attention_mass", "paged_attention", "rms_norm", "rotary_store_kv", "silu_and_mul", "store_kv"]
 
 
 @torch.library.custom_op("torchspec::paged_attention", mutates_args=())
@@ -160,14 +160,12 @@ def _(gate_up):
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
-@torch.library.custom_op("torchspec::rotary_embedding", mutates_args=())
-def rotary_embedding(
-    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`attention.reference.rotary_embedding`."""
-    return layer_kernels.rotary_embedding(query, key, cos, sin)
+# The kernel's own signature is the op's schema (the engine swaps this module for the reference one).
+rotary_store_kv = torch.library.custom_op("torchspec::rotary_store_kv", mutates_args=("k_cache", "v_cache"))(
+    layer_kernels.rotary_store_kv
+)
 
 
-@rotary_embedding.register_fake
-def _(query, key, cos, sin):
-    return query.new_empty(query.shape), key.new_empty(key.shape)
+@rotary_store_kv.register_fake
+def _(query, key, value, cos, sin, k_cache, v_cache, slot_mapping):
+    return query.new_empty(query.shape)

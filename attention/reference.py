@@ -1,7 +1,8 @@
 """Plain-PyTorch reference of every op: the specification the fast kernels are tested against.
 
-The layer ops at the end (RMSNorm, SiLU x mul, rotary embedding) compute exactly what transformers' Llama-family
-modules compute, rounding where they round, so a forward fused from them gives the model's own numbers.
+The layer ops at the end (RMSNorm, SiLU x mul, rotary embedding with the K/V store) compute exactly what
+transformers' Llama-family modules compute, rounding where they round, so a forward fused from them gives the
+model's own numbers.
 
 Layout conventions (shared by every implementation of these ops):
 
@@ -212,3 +213,21 @@ def rotary_embedding(
         return x * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None]
 
     return rotate(query).contiguous(), rotate(key).contiguous()
+
+
+def rotary_store_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """The rotary embedding of ``query`` and ``key`` (``[T, H or Hkv, D]``), and ``store_kv`` of the rotated
+    keys and ``value``; returns the rotated queries (one kernel on the GPU, where a layer's new K/V never
+    exist outside the cache)."""
+    query, key = rotary_embedding(query, key, cos, sin)
+    store_kv(k_cache, v_cache, key, value, slot_mapping)
+    return query

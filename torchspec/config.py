@@ -84,9 +84,10 @@ class SpecConfig:
             short context) gives way to plain decoding. Same tokens and distribution at every length. ``None`` =
             on with draft chains on CUDA; elsewhere every round drafts k, so a CPU run repeats step for step.
         fuse_layers: inside an engine run, a Llama-family layer's q/k/v and gate/up projections run as one GEMM
-            each, and its RMSNorms, rotary embedding and SiLU x mul as one kernel each (torchspec/fused_layers.py:
-            the numbers transformers computes, in ~4x fewer kernels per forward). ``None`` = on wherever a
-            module is recognised and a probe forward (when the engine is built) matches the model's own logits.
+            each, its RMSNorms and SiLU x mul as one kernel each, its rotary embedding inside the kernel that
+            stores the new K/V, and each residual add inside the GEMM before it (torchspec/fused_layers.py: 8 ops
+            per layer instead of 38). ``None`` = on wherever a module is recognised and a probe forward (when
+            the engine is built) matches the model's own logits.
         attention_backend: ``"triton"`` (the fused kernels), ``"reference"`` (plain PyTorch, any device),
             ``"auto"`` (Triton on CUDA, the reference elsewhere) or ``"flex"`` (``"auto"`` with FlexAttention
             for prefill chunks: a document mask built from the slot lists; measured 6.5-7.4x slower than the Triton

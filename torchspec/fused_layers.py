@@ -3,14 +3,17 @@
 At batch 256 a small model's forward costs what it launches, not what it computes: transformers' SmolLM2 layer
 is ~41 kernels (RMSNorm alone is seven, the rotary embedding ten). Inside an engine run the modules this
 recognises run fused forwards instead: q/k/v as one GEMM, gate/up as one GEMM followed by one SiLU x mul
-kernel, RMSNorm and the rotary embedding one kernel each (``ops``: Triton on CUDA, the plain-PyTorch reference
-elsewhere, which computes what transformers computes). The separate q/k/v and gate/up weights become views of
-the fused ones, so nothing is stored twice and the model outside an engine run is unchanged.
+kernel, RMSNorm as one kernel and the rotary embedding inside the kernel that stores the new K/V (``ops``:
+Triton on CUDA, the plain-PyTorch reference elsewhere, which computes what transformers computes), and in a
+whole pre-norm decoder layer each residual add inside the GEMM before it (``addmm``). The separate q/k/v and
+gate/up weights become views of the fused ones, so nothing is stored twice and the model outside an engine run
+is unchanged.
 
 What is recognised: RMSNorm modules of the Llama form (``weight``, ``variance_epsilon``); MLPs with
 ``gate_proj``/``up_proj``/``down_proj`` and a SiLU; attention modules with ``q_proj``/``k_proj``/``v_proj``/
-``o_proj`` and optional per-head ``q_norm``/``k_norm`` (Llama, Mistral, Qwen2, Qwen3, ...). A probe forward
-at build time compares the fused model with the model's own forward; if they differ, nothing is fused.
+``o_proj`` and optional per-head ``q_norm``/``k_norm``; decoder layers made of exactly those four (Llama,
+Mistral, Qwen2, Qwen3, ...). A probe forward at build time compares the fused model with the model's own
+forward; if they differ, nothing is fused.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class FusedLayers:
     def __init__(self, model: nn.Module, layers: Sequence[LayerSpec], ops: Ops) -> None:
         self.ops = ops
         self._layers = {spec.layer_idx: spec for spec in layers}
+        self._cores: dict[nn.Module, Callable] = {}  # each module's weights are fused once, shared by its users
         self.forwards: dict[nn.Module, Callable] = {}
         for module in model.modules():
             forward = self._fused_forward(module)
@@ -48,7 +52,7 @@ class FusedLayers:
             self.forwards = {}
 
     def count(self, kind: str) -> int:
-        """How many modules of ``kind`` (``"norm"``, ``"mlp"``, ``"attention"``) run fused."""
+        """How many modules of ``kind`` (``"decoder"``, ``"norm"``, ``"mlp"``, ``"attention"``) run fused."""
         return sum(forward.__name__ == f"fused_{kind}" for forward in self.forwards.values())
 
     @contextlib.contextmanager
@@ -73,9 +77,26 @@ class FusedLayers:
             return self._norm_forward(module)
         if _is_silu_mlp(module):
             return self._mlp_forward(module)
-        if getattr(module, "layer_idx", None) in self._layers and _is_plain_attention(module):
-            return self._attention_forward(module, self._layers[module.layer_idx])
+        if self._is_attention(module):
+            return self._attention_forward(module)
+        if self._is_decoder_layer(module):
+            return self._decoder_forward(module)
         return None
+
+    def _is_attention(self, module: nn.Module | None) -> bool:
+        return getattr(module, "layer_idx", None) in self._layers and _is_plain_attention(module)
+
+    def _is_decoder_layer(self, module: nn.Module) -> bool:
+        """A pre-norm layer (norm, attention, residual add, norm, MLP, residual add) of modules fused here."""
+        children = dict(module.named_children())
+        return (
+            set(children) == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
+            and _is_rms_norm(children["input_layernorm"])
+            and _is_rms_norm(children["post_attention_layernorm"])
+            and self._is_attention(children["self_attn"])
+            and _is_silu_mlp(children["mlp"])
+            and not any(hasattr(child, "_hf_hook") for child in children.values())
+        )
 
     def _norm_forward(self, norm: nn.Module) -> Callable:
         rms_norm = self.ops.rms_norm
@@ -85,20 +106,54 @@ class FusedLayers:
 
         return fused_norm
 
+    def _mlp_core(self, mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> silu(gate(x)) * up(x)``: one GEMM and one kernel (``down_proj`` is left to the caller)."""
+        if mlp not in self._cores:
+            weight, bias = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+            silu_and_mul = self.ops.silu_and_mul
+            self._cores[mlp] = lambda x: silu_and_mul(F.linear(x, weight, bias))
+        return self._cores[mlp]
+
     def _mlp_forward(self, mlp: nn.Module) -> Callable:
-        weight, bias = _fuse_linears([mlp.gate_proj, mlp.up_proj])
-        silu_and_mul, down_proj = self.ops.silu_and_mul, mlp.down_proj
+        core, down_proj = self._mlp_core(mlp), mlp.down_proj
 
         def fused_mlp(x: torch.Tensor) -> torch.Tensor:
-            return down_proj(silu_and_mul(F.linear(x, weight, bias)))
+            return down_proj(core(x))
 
         return fused_mlp
 
-    def _attention_forward(self, attention: nn.Module, spec: LayerSpec) -> Callable:
+    def _attention_core(self, attention: nn.Module) -> Callable:
+        """``(hidden states, (cos, sin)) -> [T, heads x head_dim]``: the attention before ``o_proj``, with q/k/v
+        as one GEMM and RoPE done by the kernel that stores the new K/V."""
+        if attention in self._cores:
+            return self._cores[attention]
+        spec = self._layers[attention.layer_idx]
         weight, bias = _fuse_linears([attention.q_proj, attention.k_proj, attention.v_proj])
-        ops, o_proj = self.ops, attention.o_proj
+        ops = self.ops
         heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+
+        def core(hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            qkv = F.linear(hidden_states, weight, bias).view(-1, heads + 2 * kv_heads, head_dim)
+            query, key, value = qkv.split([heads, kv_heads, kv_heads], dim=1)
+            if q_norm is not None:
+                query = ops.rms_norm(query, q_norm.weight, q_norm.variance_epsilon)
+                key = ops.rms_norm(key, k_norm.weight, k_norm.variance_epsilon)
+            out, _ = paged_attention_forward(
+                attention,
+                *(t.transpose(0, 1)[None] for t in (query, key, value)),
+                None,
+                scaling=spec.scaling,
+                sliding_window=spec.sliding_window,
+                rotary=tuple(t.reshape(-1, head_dim) for t in position_embeddings),
+            )
+            return out.view(out.shape[1], -1)
+
+        self._cores[attention] = core
+        return core
+
+    def _attention_forward(self, attention: nn.Module) -> Callable:
+        core, o_proj = self._attention_core(attention), attention.o_proj
 
         def fused_attention(
             hidden_states: torch.Tensor,
@@ -106,23 +161,33 @@ class FusedLayers:
             attention_mask: torch.Tensor | None = None,
             **kwargs: object,
         ) -> tuple[torch.Tensor, None]:
-            qkv = F.linear(hidden_states, weight, bias).view(-1, heads + 2 * kv_heads, head_dim)
-            query, key, value = qkv.split([heads, kv_heads, kv_heads], dim=1)
-            if q_norm is not None:
-                query = ops.rms_norm(query, q_norm.weight, q_norm.variance_epsilon)
-                key = ops.rms_norm(key, k_norm.weight, k_norm.variance_epsilon)
-            cos, sin = (t.reshape(-1, head_dim) for t in position_embeddings)
-            query, key = ops.rotary_embedding(query, key, cos, sin)
-            out, _ = paged_attention_forward(
-                attention,
-                *(t.transpose(0, 1)[None] for t in (query, key, value)),
-                attention_mask,
-                scaling=spec.scaling,
-                sliding_window=spec.sliding_window,
-            )
-            return o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+            out = core(hidden_states, position_embeddings)
+            return o_proj(out.view(*hidden_states.shape[:-1], -1)), None
 
         return fused_attention
+
+    def _decoder_forward(self, layer: nn.Module) -> Callable:
+        """The whole layer with each residual add done by its GEMM (``addmm``: the add happens in the GEMM's
+        fp32 epilogue, so the sum is rounded once where transformers rounds twice)."""
+        attention, mlp = self._attention_core(layer.self_attn), self._mlp_core(layer.mlp)
+        first_norm, second_norm = (
+            self._norm_forward(layer.input_layernorm),
+            self._norm_forward(layer.post_attention_layernorm),
+        )
+        o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+
+        def fused_decoder(
+            hidden_states: torch.Tensor,
+            *args: object,
+            position_embeddings: tuple[torch.Tensor, torch.Tensor],
+            **kwargs: object,
+        ) -> torch.Tensor:
+            residual = hidden_states.view(-1, hidden_states.shape[-1])
+            residual = _linear_add(residual, attention(first_norm(residual), position_embeddings), o_proj)
+            residual = _linear_add(residual, mlp(second_norm(residual)), down_proj)
+            return residual.view(hidden_states.shape)
+
+        return fused_decoder
 
     def _matches_model(self, model: nn.Module) -> bool:
         """Whether a probe forward gives the model's own logits with the fused forwards; warns if not."""
@@ -137,17 +202,27 @@ class FusedLayers:
 
         with torch.inference_mode(), routed_attention(model):
             own = logits()
-            with self.installed():
-                fused = logits()
-        error = ((fused - own).abs().max() / own.abs().max().clamp_min(1e-6)).item()
-        if error <= PROBE_TOLERANCE.get(parameter.dtype, 5e-2):
-            return True
+            try:
+                with self.installed():
+                    fused = logits()
+                error = ((fused - own).abs().max() / own.abs().max().clamp_min(1e-6)).item()
+                if error <= PROBE_TOLERANCE.get(parameter.dtype, 5e-2):
+                    return True
+                problem = f"give logits {error:.2g} away from the model's own forward"
+            except (RuntimeError, TypeError, ValueError) as failure:  # a layer this transformers calls otherwise
+                problem = f"failed on a probe forward ({type(failure).__name__}: {failure})"
         warnings.warn(
-            f"torchspec: the fused layers of {type(model).__name__} give logits {error:.2g} away from the model's "
-            "own forward, so the model runs unfused (slower); pass fuse_layers=False to silence this",
+            f"torchspec: the fused layers of {type(model).__name__} {problem}, so the model runs unfused (slower); "
+            "pass fuse_layers=False to silence this",
             stacklevel=3,
         )
         return False
+
+
+def _linear_add(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``residual + linear(x)`` as one GEMM."""
+    bias = residual if linear.bias is None else residual + linear.bias
+    return torch.addmm(bias, x, linear.weight.t())
 
 
 def _is_rms_norm(module: nn.Module | None) -> bool:

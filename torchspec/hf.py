@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from attention.reference import FirstLists
+from attention.reference import FirstLists, rotary_embedding
 from torchspec.kv_cache import KVPool, LayerSpec
 
 ATTENTION_NAME = "torchspec"
@@ -76,7 +76,10 @@ class AttentionContext(Protocol):
         scaling: float,
         sliding_window: int | None,
         extra_kwargs: dict[str, Any],
-    ) -> torch.Tensor: ...
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``[T, H, D]``; with ``rotary`` (``cos``, ``sin``: ``[T, D]``) query and key are not yet rotated."""
+        ...
 
 
 @dataclass
@@ -87,9 +90,10 @@ class PagedForwardContext:
     pool: KVPool
     ops: ModuleType
 
-    def attend(self, module, query, key, value, attention_mask, scaling, sliding_window, extra_kwargs):
+    def attend(self, module, query, key, value, attention_mask, scaling, sliding_window, extra_kwargs, rotary=None):
         # One opaque op per layer: a compiled forward never traces (or guards on) this step's metadata.
-        return torch.ops.torchspec.attend(query, key, value, module.layer_idx, scaling, sliding_window)
+        cos, sin = rotary if rotary is not None else (None, None)
+        return torch.ops.torchspec.attend(query, key, value, cos, sin, module.layer_idx, scaling, sliding_window)
 
     def attend_layer(
         self,
@@ -99,13 +103,18 @@ class PagedForwardContext:
         value: torch.Tensor,
         scaling: float,
         sliding_window: int | None,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the layer's new K/V (``[1, Hkv, T, D]``) and attend with ``query`` (``[1, H, T, D]``); returns
-        ``[T, H, D]``."""
+        ``[T, H, D]``. Given ``cos``/``sin``, query and key are rotated first (with the store: one kernel)."""
         meta, ops = self.metadata, self.ops
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        ops.store_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
-        query = query[0].transpose(0, 1)
+        query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))
+        if cos is None:
+            ops.store_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        else:
+            query = ops.rotary_store_kv(query, key, value, cos, sin, k_cache, v_cache, meta.slot_mapping)
         if sliding_window is not None:
             view = meta.windowed[sliding_window]
             return ops.paged_attention(
@@ -176,6 +185,8 @@ def _attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     layer: int,
     scaling: float,
     sliding_window: int | None,
@@ -185,11 +196,11 @@ def _attend(
     reads only its own pool tensor after writing it in the same op)."""
     if not isinstance(_active_context, PagedForwardContext):
         raise RuntimeError("torchspec::attend runs only inside an engine step")
-    return _active_context.attend_layer(layer, query, key, value, scaling, sliding_window)
+    return _active_context.attend_layer(layer, query, key, value, scaling, sliding_window, cos, sin)
 
 
 @_attend.register_fake
-def _(query, key, value, layer, scaling, sliding_window):
+def _(query, key, value, cos, sin, layer, scaling, sliding_window):
     return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
 
 
@@ -202,9 +213,11 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``query`` is ``[1, H, T, D]``, K/V ``[1, Hkv, T, D]`` (RoPE applied)."""
+    """transformers attention function: ``query`` is ``[1, H, T, D]``, K/V ``[1, Hkv, T, D]`` (RoPE applied, unless
+    torchspec's fused layers pass ``rotary``: ``cos``, ``sin`` ``[T, D]`` to apply with the K/V store)."""
     if _active_context is None:
         raise RuntimeError(
             f"attention implementation {ATTENTION_NAME!r} only runs inside a torchspec engine step; "
@@ -212,7 +225,7 @@ def paged_attention_forward(
         )
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    out = _active_context.attend(module, query, key, value, attention_mask, scaling, sliding_window, kwargs)
+    out = _active_context.attend(module, query, key, value, attention_mask, scaling, sliding_window, kwargs, rotary)
     return out.unsqueeze(0), None
 
 
@@ -242,7 +255,10 @@ class _ProbeContext:
         self.layers: dict[int, LayerSpec] = {}
         self.problems: list[str] = []
 
-    def attend(self, module, query, key, value, attention_mask, scaling, sliding_window, extra_kwargs):
+    def attend(self, module, query, key, value, attention_mask, scaling, sliding_window, extra_kwargs, rotary=None):
+        if rotary is not None:  # a fused layer's unrotated query and key
+            query, key = (t[0].transpose(0, 1) for t in (query, key))
+            query, key = (t.transpose(0, 1)[None] for t in rotary_embedding(query, key, *rotary))
         name = type(module).__name__
         layer_idx = getattr(module, "layer_idx", None)
         if layer_idx is None:

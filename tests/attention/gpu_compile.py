@@ -38,7 +38,7 @@ KERNELS = (
     (paged, "_mass_kernel"),
     (layer_kernels, "_rms_norm_kernel"),
     (layer_kernels, "_silu_and_mul_kernel"),
-    (layer_kernels, "_rotary_kernel"),
+    (layer_kernels, "_rotary_store_kernel"),
 )
 
 
@@ -114,14 +114,16 @@ def _fused_launch_and_mass() -> None:
 
 
 def _layer_ops() -> None:
-    """A SmolLM2 layer's small ops in bf16: RMSNorm of rows and of heads read in place, SiLU x mul, RoPE."""
+    """A SmolLM2 layer's small ops in bf16: RMSNorm of rows and of heads read in place, SiLU x mul, RoPE with
+    the K/V store."""
     qkv = torch.randn(16, 15, 64).to(torch.bfloat16)
     weight = torch.randn(64).to(torch.bfloat16)
     layer_kernels.rms_norm(torch.randn(16, 576).to(torch.bfloat16), torch.randn(576).to(torch.bfloat16), 1e-5)
     layer_kernels.rms_norm(qkv[:, :9], weight, 1e-6)
     layer_kernels.silu_and_mul(torch.randn(16, 3072).to(torch.bfloat16))
     cos = torch.randn(16, 64).to(torch.bfloat16)
-    layer_kernels.rotary_embedding(qkv[:, :9], qkv[:, 9:12], cos, cos)
+    cache = torch.zeros(64, 3, 64).to(torch.bfloat16)
+    layer_kernels.rotary_store_kv(qkv[:, :9], qkv[:, 9:12], qkv[:, 12:], cos, cos, cache, cache, torch.arange(16))
 
 
 SCENARIOS: dict[str, Callable[[], None]] = {

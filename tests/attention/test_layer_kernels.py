@@ -1,4 +1,4 @@
-"""The layer kernels (RMSNorm, SiLU x mul, rotary embedding) against their reference, and the reference against
+"""The layer kernels (RMSNorm, SiLU x mul, rotary embedding with the K/V store) against their reference, and
 the transformers modules it specifies. Without CUDA the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
@@ -62,13 +62,22 @@ def test_silu_and_mul(dtype, width):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 48])
-def test_rotary_embedding_of_a_fused_qkv(dtype, head_dim):
+def test_rotary_store_kv_of_a_fused_qkv(dtype, head_dim):
+    """Rotated queries come back; rotated keys and the values land in the cache rows of their slots, and no
+    other row changes."""
     torch.manual_seed(4)
     tokens, heads, kv_heads = 5, 6, 2
     qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)
-    q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     cos, sin = torch.randn(tokens, head_dim, dtype=dtype), torch.randn(tokens, head_dim, dtype=dtype)
-    q_out, k_out = layer_kernels.rotary_embedding(*(t.to(DEVICE) for t in (q, k, cos, sin)))
-    q_ref, k_ref = reference.rotary_embedding(q, k, cos, sin)
-    _close(q_out, q_ref)
-    _close(k_out, k_ref)
+    slots = torch.tensor([7, 2, 9, 0, 4])
+    caches = [torch.randn(12, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    expected = reference.rotary_store_kv(q, k, v, cos, sin, *expected_caches, slots)
+    on_device = [c.to(DEVICE) for c in caches]
+    actual = layer_kernels.rotary_store_kv(*(t.to(DEVICE) for t in (q, k, v, cos, sin)), *on_device, slots.to(DEVICE))
+    _close(actual, expected)
+    _close(on_device[0], expected_caches[0])
+    assert torch.equal(on_device[1].cpu(), expected_caches[1])  # values are copied, not computed
+    untouched = [slot for slot in range(12) if slot not in slots.tolist()]
+    assert torch.equal(on_device[0].cpu()[untouched], caches[0][untouched])

@@ -635,7 +635,7 @@ def test_flex_op_set_routes_only_long_shared_queries():
     calls = []
     base = type("Base", (), {})()
     base.paged_attention = lambda *args, **hints: calls.append("base")
-    base.attention_mass = base.store_kv = base.rms_norm = base.silu_and_mul = base.rotary_embedding = None
+    base.attention_mass = base.store_kv = base.rms_norm = base.silu_and_mul = base.rotary_store_kv = None
     ops = flex.with_flex_prefill(base)
     batch = _Batch([(100, 120)], 4, NUM_KV_HEADS, 16)
     out, _ = batch.run(ops.paged_attention, *batch.shared_lists(), max_q_len=100, max_kv_len=120)

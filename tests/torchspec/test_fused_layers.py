@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from tests.torchspec.conftest import Batch, assert_same_tokens, tiny_spec
 from torchspec import sparsespec
+from torchspec.fused_layers import FusedLayers
 
 BATCH = Batch((5, 11, 8), seed=3)
 NEW_TOKENS = 14
@@ -16,20 +17,23 @@ NEW_TOKENS = 14
 
 def _fused_counts(wrapped) -> dict[str, int]:
     fused = wrapped.engine.fused_layers
-    return {kind: fused.count(kind) for kind in ("norm", "mlp", "attention")}
+    return {kind: fused.count(kind) for kind in ("decoder", "norm", "mlp", "attention")}
 
 
 @pytest.mark.parametrize(("arch", "norms"), [("llama", 5), ("qwen2", 5), ("qwen3", 9)])
 def test_fused_forwards_give_the_unfused_tokens(arch, norms, hf_reference):
-    """Every layer of Llama, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) runs fused, and greedy
-    speculative decoding gives transformers' tokens; the projections share the fused weights' storage."""
+    """Every layer of Llama, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) runs fused (whole decoder
+    layers, and each of their modules for whoever calls it alone), and greedy speculative decoding gives
+    transformers' tokens; the projections share the fused weights' storage, fused once."""
     spec = tiny_spec(arch)
     model = spec.build()
     wrapped = sparsespec.wrap(model, draft="pillar_recent", k=3, min_budget=4, kv_capacity_tokens=512)
-    assert _fused_counts(wrapped) == {"norm": norms, "mlp": 2, "attention": 2}
+    assert _fused_counts(wrapped) == {"decoder": 2, "norm": norms, "mlp": 2, "attention": 2}
     attention = model.model.layers[0].self_attn
     storages = {p.weight.untyped_storage().data_ptr() for p in (attention.q_proj, attention.k_proj, attention.v_proj)}
     assert len(storages) == 1
+    # q, k and v hold 4 + 2 + 2 heads: one storage of twice the q weight, not a copy per fusion
+    assert attention.q_proj.weight.untyped_storage().nbytes() == 2 * attention.q_proj.weight.nbytes
     actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert_same_tokens(hf_reference(spec, BATCH, max_new_tokens=NEW_TOKENS), actual, spec, BATCH)
 
@@ -67,6 +71,37 @@ def test_a_module_that_only_looks_fusable_leaves_the_model_unfused(hf_reference)
     assert torch.equal(wrapped.generate(**BATCH.kwargs(), max_new_tokens=6, do_sample=False), expected)
 
 
+def test_a_fused_forward_that_fails_leaves_the_model_unfused(monkeypatch):
+    """A transformers version that calls its layers another way makes a fused forward fail on the probe: the
+    model then runs its own forward, with a warning naming the failure."""
+
+    def incompatible(self, layer):
+        def fused_decoder(hidden_states, *args, **kwargs):
+            raise TypeError("fused_decoder() missing 1 required keyword-only argument: 'position_embeddings'")
+
+        return fused_decoder
+
+    monkeypatch.setattr(FusedLayers, "_decoder_forward", incompatible)
+    spec = tiny_spec("llama")
+    wrapped = sparsespec.wrap(spec.build(), draft=None, kv_capacity_tokens=256)
+    with pytest.warns(UserWarning, match="failed on a probe forward.*position_embeddings"):
+        assert wrapped.engine.fused_layers.forwards == {}
+    expected = spec.build().generate(**BATCH.kwargs(), max_new_tokens=6, do_sample=False)
+    assert torch.equal(wrapped.generate(**BATCH.kwargs(), max_new_tokens=6, do_sample=False), expected)
+
+
 def test_fuse_layers_false_runs_the_models_own_forward():
     wrapped = sparsespec.wrap(tiny_spec("llama").build(), draft=None, fuse_layers=False, kv_capacity_tokens=128)
     assert wrapped.engine.fused_layers is None
+
+
+def test_a_fused_layer_dispatches_eight_ops():
+    """The layer-ops benchmark on the Triton op set (the interpreter on a CPU): a fused SmolLM2 layer's share of
+    a decode step is two RMSNorms, two GEMMs, two GEMMs with their residual add, one SiLU x mul and the attention
+    op (rotary embedding, K/V store and attention inside); unfused it is transformers' ~38."""
+    from torchspec.bench.layer_ops import layer_ops
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fused = layer_ops(fuse_layers=True, device=device)
+    assert fused == {"rms_norm": 2, "linear": 2, "addmm": 2, "silu_and_mul": 1, "attend": 1}
+    assert sum(layer_ops(fuse_layers=False, device=device).values()) >= 30
