@@ -222,7 +222,8 @@ class Scheduler:
         """The batch is still filling: its pending prompt tokens exceed one step's budget. Its steps then
         decode plainly, since each step of the ramp holds another number of decoding requests, and a round
         at each of them would capture graphs (and compile kernels) for batch sizes used once (W1: 35 s of
-        its first 20 steps). A newcomer joining a running batch fits one step, so rounds go on around it."""
+        its first 20 steps). A newcomer joining a running batch usually fits one step, so rounds go on around
+        it; one whose prompt is longer than a step's budget pauses them for the steps its prompt takes."""
         pending = sum(request.num_pending_tokens for request in self.running if not request.decoding)
         return pending > self.max_step_tokens
 
