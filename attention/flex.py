@@ -16,6 +16,8 @@ from types import ModuleType, SimpleNamespace
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from attention.reference import OP_NAMES
+
 BLOCK_SIZE = 128  # FlexAttention's default tile on the GPU
 MIN_QUERY_LEN = 64  # requests with longer queries than this (prefill chunks) make a step FlexAttention's
 _last_mask: tuple[tuple[object, ...], BlockMask] | None = None  # (the step's metadata tensors, their mask)
@@ -137,5 +139,4 @@ def with_flex_prefill(base: ModuleType) -> SimpleNamespace:
         prefill = hints.get("first_lists") is None and (hints.get("max_q_len") or 0) > MIN_QUERY_LEN
         return (prefill_attention if prefill else base.paged_attention)(*arrays, **hints)
 
-    others = ("attention_mass", "store_kv", "rms_norm", "silu_and_mul", "rotary_store_kv")
-    return SimpleNamespace(paged_attention=paged_attention, **{name: getattr(base, name) for name in others})
+    return SimpleNamespace(**{name: getattr(base, name) for name in OP_NAMES} | {"paged_attention": paged_attention})

@@ -24,6 +24,9 @@ from typing import NamedTuple
 
 import torch
 
+#: The op set: every implementation (this module, the Triton ``attention.ops``) provides these functions.
+OP_NAMES = ("paged_attention", "attention_mass", "store_kv", "rms_norm", "silu_and_mul", "rotary_store_kv")
+
 
 class FirstLists(NamedTuple):
     """The slot lists of the first ``num_requests`` requests of a batch (e.g. sparse per-head draft lists)

@@ -81,3 +81,11 @@ def test_rotary_store_kv_of_a_fused_qkv(dtype, head_dim):
     assert torch.equal(on_device[1].cpu(), expected_caches[1])  # values are copied, not computed
     untouched = [slot for slot in range(12) if slot not in slots.tolist()]
     assert torch.equal(on_device[0].cpu()[untouched], caches[0][untouched])
+
+
+def test_every_op_set_provides_every_op():
+    """The engine swaps op sets whole: the reference, the Triton ops and the flex set each have every op."""
+    from attention import flex, ops
+
+    for op_set in (reference, ops, flex.with_flex_prefill(ops)):
+        assert all(callable(getattr(op_set, name, None)) for name in reference.OP_NAMES), op_set
