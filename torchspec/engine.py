@@ -83,7 +83,7 @@ class Engine:
         self.policy = make_policy(config, layers)
         self.num_draft_slots = k = config.k if self.policy is not None else 0
         self.max_step_tokens = config.max_step_tokens or max(DEFAULT_STEP_TOKENS, config.max_batch_size * (k + 1))
-        # Launch each step before reading the last one back; only without speculation (see SpecConfig).
+        # Launch each step before reading the last one back (see SpecConfig).
         self.delayed_verify = self.policy is None if config.delayed_verify is None else config.delayed_verify
         capacity = config.kv_capacity_tokens or auto_capacity_tokens(
             layers,
@@ -106,7 +106,8 @@ class Engine:
             compile_model=bool(config.compile),
             cuda_graphs=use_cuda_graphs(config.cuda_graphs, self.device, ops),
             max_batch_size=config.max_batch_size,
-            feeds_next_step=self.delayed_verify,
+            # Only plain decoding runs a request in the step after its own (speculation staggers instead).
+            feeds_next_step=self.delayed_verify and self.policy is None,
         )
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy)
         self.adaptive_rounds = use_adaptive_rounds(config.adaptive_rounds, self.draft_chain, self.device)
@@ -157,6 +158,7 @@ class Engine:
             self.config.k,
             self.draft_chain,
             self.adaptive_rounds,
+            stagger=self.delayed_verify and self.policy is not None,
         )
         for request in requests:
             if request.is_finished:
@@ -167,6 +169,7 @@ class Engine:
                 scheduler.add(request)
         self.runner.table.reset()
         in_flight: LaunchedStep | None = None  # launched, not yet read back (delayed verification)
+        last_commit: float | None = None  # when the last step was read back and applied
         try:
             with routed_attention(self.model), self._fused_forwards():
                 while scheduler.has_work():
@@ -179,10 +182,14 @@ class Engine:
                         in_flight, launched = launched, None
                     if in_flight is not None:  # read back while the step just launched runs
                         committed = self._commit(scheduler, in_flight)
-                        if launched is None:  # a synchronous step: its wall time is its cost
+                        # A step's cost: a synchronous step's wall time; with steps overlapping, the time since
+                        # the last one was applied (in a steady stream, one step finishes per that period).
+                        now = time.perf_counter()
+                        since = started if launched is None else last_commit
+                        if since is not None:
                             span = in_flight.drafts_span
-                            wall_ms = 1e3 * (time.perf_counter() - started)
-                            scheduler.observe_step(in_flight.plan, wall_ms, span.ms() if span else None)
+                            scheduler.observe_step(in_flight.plan, 1e3 * (now - since), span.ms() if span else None)
+                        last_commit = now
                         yield committed
                     in_flight = launched
         finally:

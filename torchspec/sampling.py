@@ -30,7 +30,11 @@ def suppress_stop_tokens(
 
 
 def warp_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int = 0,
 ) -> torch.Tensor:
     """Per-row temperature, top-k (0 = off) and top-p, exactly as transformers' warpers compute them.
 
@@ -39,13 +43,18 @@ def warp_logits(
     rounds it to fp32, and a cut-off rounded differently drops different tokens at the boundary. Rows with
     ``top_p == 1`` skip top-p entirely, as in transformers. ``None`` skips a filter for every row (no full
     sort of the vocabulary for it: the common case, and two sorts of ``[256, V]`` cost more than the forward
-    of a small model).
+    of a small model). ``max_top_k`` (with ``top_k``): at least every row's top_k, known on the host, so each
+    row's threshold (its k-th largest logit, transformers' cut-off) comes from one ``topk`` of that width
+    instead of a sort of the vocabulary (transformers' default top_k=50 against a 49K vocabulary).
     """
     vocab_size = logits.shape[-1]
     logits = logits / temperature[:, None]
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
-        kth_largest = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    if top_k is not None and max_top_k > 0:
+        width = min(max_top_k, vocab_size)
+        k = top_k.clamp(max=width)
+        largest = logits.topk(width, dim=-1).values  # descending
+        kth_largest = largest.gather(1, (k - 1).clamp(min=0)[:, None])
+        kth_largest = torch.where(k[:, None] > 0, kth_largest, float("-inf"))  # top_k = 0: nothing filtered
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if top_p is None:
         return logits
@@ -73,6 +82,7 @@ def warped_probs(
         as_tensor(column((p.temperature for p in params), np.float64), torch.float32),
         as_tensor(top_k, torch.int64) if top_k.any() else None,
         as_tensor(top_p, torch.float64) if (top_p < 1).any() else None,
+        max_top_k=int(top_k.max(initial=0)),
     )
     return warped.softmax(dim=-1)
 

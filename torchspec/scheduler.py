@@ -16,6 +16,12 @@ nothing to decide (a plain decode or a final prompt chunk, without speculation) 
 the token step N leaves on the device. Stop conditions then apply one step late, and a token made past a stop
 is discarded at commit.
 
+With speculation (``stagger``) a request's next round waits for its last one to be read back, so the decoding
+requests are split in two halves that alternate: each step starts the rounds of at most half of them, and the
+engine launches the other half's step while this one runs. The host then reads back, commits and plans one half
+while the GPU runs the other's rounds, instead of the GPU idling while the host works (the paper's delayed
+verification over two phase buckets).
+
 Admission reserves a request's worst-case KV need (prompt + max_new_tokens + k draft slots), so a running
 request never runs out of slots and nothing is evicted or recomputed: requests that do not fit wait.
 """
@@ -142,8 +148,10 @@ class Scheduler:
         k: int,
         draft_chain: bool = False,
         adaptive_rounds: bool = False,
+        stagger: bool = False,
     ) -> None:
         self.allocator = allocator
+        self.stagger = stagger  # each step starts at most half of the decoding requests' rounds
         self.draft_chain = draft_chain  # a request runs its whole round (drafts, verify) in one step
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens
@@ -175,11 +183,13 @@ class Scheduler:
         pending = {id(item.request): item for item in in_flight.scheduled} if in_flight is not None else {}
         decoding: list[tuple[Request, ScheduledRequest]] = []
         prefilling: list[tuple[Request, None, int]] = []  # no step yet: its chunk is sized below, ``ahead`` on
+        starts = self._max_starts()
         for request in self.running:
             item = pending.get(id(request))
             if item is None:
                 if request.decoding:
-                    decoding.append((request, self._next_step(request)))
+                    if len(decoding) < starts:
+                        decoding.append((request, self._next_step(request)))
                 else:
                     prefilling.append((request, None, 0))
                 continue
@@ -210,6 +220,13 @@ class Scheduler:
         # Drafts first, longest chain first: a chain's later forwards then hold a prefix of the step's drafts.
         scheduled.sort(key=lambda item: (item.phase is not Phase.DRAFT, -item.chain))
         return StepPlan(scheduled)
+
+    def _max_starts(self) -> int:
+        """Decoding requests whose next step this step may start: all of them, or half with ``stagger`` (rounded
+        up, counting those in flight: the other half is the step in flight, or the next one)."""
+        if not self.stagger:
+            return self.max_batch_size
+        return -(-sum(request.decoding for request in self.running) // 2)
 
     def observe_step(self, plan: StepPlan, wall_ms: float, drafts_ms: float | None) -> None:
         """Report a step's cost to the round length: its wall time, and when its drafts ended (ms after it

@@ -34,7 +34,5 @@ def test_compiled_forward_matches_eager_with_speculation():
 def test_features_not_in_this_release_are_refused_by_name():
     with pytest.raises(ValueError, match="offload=True is not available in this release"):
         sparsespec.wrap(tiny_spec("llama", 2).build(), offload=True)
-    with pytest.raises(ValueError, match="delayed_verify=True cannot run draft='pillar_recent'"):
-        sparsespec.wrap(tiny_spec("llama", 2).build(), delayed_verify=True)
     with pytest.raises(ValueError, match="unified_schedule=False is not available in this release"):
         sparsespec.wrap(tiny_spec("llama", 2).build(), unified_schedule=False)

@@ -1,11 +1,13 @@
-"""Delayed verification: each step is launched before the last one is read back (draft=None).
+"""Delayed verification: each step is launched before the last one is read back.
 
 The engine then plans step N + 1 from what the host knows while step N runs: a decode is fed step N's token on
 the device, a prompt chunk is followed by the next one, and stop conditions apply one step late (the token made
-past a stop is discarded). Greedy output must equal the synchronous loop token for token, with EOS, min and
-max lengths landing anywhere, prompts prefilled in several chunks, requests queueing for a small pool, and
-CUDA graphs' padded path; every KV slot must be free at the end. The sampled case is in
-test_speculative_sampling.py (chi-square against the exact distribution, both loops).
+past a stop is discarded). With speculation a request's next round waits for its last one to be read back, so
+the decoding requests alternate in two halves. Greedy output must equal the synchronous loop (and, with every
+draft policy, draft=None) token for token, with EOS, min and max lengths landing anywhere (mid-round too),
+prompts prefilled in several chunks, requests queueing for a small pool, and CUDA graphs' padded path; every KV
+slot must be free at the end. The sampled cases are in test_speculative_sampling.py (chi-square against the
+exact distribution).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import torch
 
 from tests.torchspec.conftest import Batch, assert_no_slot_leak, generated_rows, tiny_spec
 from torchspec import sparsespec
+from torchspec.drafting import POLICIES
 from torchspec.runner import LaunchedStep
-from torchspec.scheduler import StepPlan
+from torchspec.scheduler import Phase, StepPlan
 
 SPECS = [tiny_spec("llama", 2), tiny_spec("qwen3", 4)]
 BATCH = Batch((40, 77, 9, 150, 101, 23), seed=3)
@@ -96,3 +99,72 @@ def test_delayed_verify_launches_before_reading_back(monkeypatch):
     # Every step but the last is read back only after the next one was launched.
     for n in launched[:-1]:
         assert delayed_log.index(("launch", n + 1)) < delayed_log.index(("collect", n)), delayed_log
+
+
+def _spy_steps(monkeypatch: pytest.MonkeyPatch, wrapped: Any) -> list[tuple[str, StepPlan]]:
+    """Record each launch and collect of ``wrapped``'s runner, in order, with its plan."""
+    runner, log = wrapped.engine.runner, []
+    launch, collect = runner.launch, runner.collect
+
+    def spy_launch(plan: StepPlan) -> LaunchedStep:
+        log.append(("launch", plan))
+        return launch(plan)
+
+    def spy_collect(step: LaunchedStep) -> list:
+        log.append(("collect", step.plan))
+        return collect(step)
+
+    monkeypatch.setattr(runner, "launch", spy_launch)
+    monkeypatch.setattr(runner, "collect", spy_collect)
+    return log
+
+
+SPECULATION = {"k": 4, "min_budget": 8, "sparsity": 0.1, "kv_capacity_tokens": 2048}
+DENSE = {"k": 4, "min_budget": 512, "kv_capacity_tokens": 2048}  # drafts read everything: all accepted
+
+
+@pytest.mark.parametrize("cuda_graphs", [None, True], ids=["dynamic", "graphs"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_delayed_speculation_gives_the_draft_none_tokens(policy, cuda_graphs, monkeypatch):
+    """Every draft policy with delayed verification: greedy tokens equal draft=None's, plainly, with EOS (an early
+    token: rows stop anywhere, mid-round included when drafts are accepted) and with min_new_tokens holding it
+    back; no slot leaks; a step never holds a request of the step still in flight (a round waits for its last
+    one to be read back)."""
+    spec = SPECS[0]
+    eos = _early_token(spec)
+    for options in (SPECULATION, DENSE):
+        for kwargs in ({}, {"eos_token_id": eos}, {"eos_token_id": eos, "min_new_tokens": 7}):
+            expected, _ = _generate(spec, False, {}, **kwargs)
+            wrapped = sparsespec.wrap(
+                spec.build(), draft=policy, delayed_verify=True, cuda_graphs=cuda_graphs, **options
+            )
+            log = _spy_steps(monkeypatch, wrapped)
+            actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **kwargs)
+            assert torch.equal(expected, actual), f"{policy} {options} {kwargs}\n{actual}\n{expected}"
+            assert_no_slot_leak(wrapped)
+            assert wrapped.last_stats.num_rounds > 0
+            in_flight: dict[int, set[int]] = {}  # launched, not yet collected: plan -> its requests
+            for kind, plan in log:
+                requests = {id(item.request) for item in plan.scheduled}
+                if kind == "launch":
+                    assert not any(requests & other for other in in_flight.values()), "a request ran twice at once"
+                    in_flight[id(plan)] = requests
+                else:
+                    del in_flight[id(plan)]
+
+
+def test_delayed_speculation_alternates_halves_launched_before_read_back(monkeypatch):
+    """With speculation, each step starts the rounds of at most half the decoding requests (rounded up), and
+    every step of rounds but the last is read back only after the next one was launched (the prompts' step,
+    whose requests all sample, is read back first: nobody is left to run next to it)."""
+    wrapped = sparsespec.wrap(SPECS[0].build(), draft="pillar_recent", delayed_verify=True, **SPECULATION)
+    assert wrapped.engine.delayed_verify
+    log = _spy_steps(monkeypatch, wrapped)
+    wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    plans = [plan for kind, plan in log if kind == "launch"]
+    rounds = [plan for plan in plans if any(item.phase is Phase.DRAFT for item in plan.scheduled)]
+    assert rounds and max(len(plan.scheduled) for plan in rounds) <= -(-len(BATCH.lengths) // 2)
+    order = [(kind, id(plan)) for kind, plan in log]
+    for plan in rounds[:-1]:
+        following = plans[plans.index(plan) + 1]
+        assert order.index(("launch", id(following))) < order.index(("collect", id(plan))), "not overlapped"

@@ -40,6 +40,7 @@ def _warp(logits: torch.Tensor, params: list[tuple[float, int, float]]) -> torch
         torch.tensor([p[0] for p in params], dtype=torch.float32),
         torch.tensor([p[1] for p in params], dtype=torch.int64),
         torch.tensor([p[2] for p in params], dtype=torch.float64),
+        max_top_k=max(p[1] for p in params),
     )
 
 
@@ -146,7 +147,7 @@ def test_warp_does_not_modify_its_input():
     """warp_logits returns a new tensor and leaves the caller's logits intact."""
     logits = _random_logits(4, seed=3)
     before = logits.clone()
-    warp_logits(logits, torch.full((4,), 0.7), torch.full((4,), 5), torch.full((4,), 0.5))
+    warp_logits(logits, torch.full((4,), 0.7), torch.full((4,), 5), torch.full((4,), 0.5), max_top_k=5)
     assert torch.equal(logits, before)
 
 

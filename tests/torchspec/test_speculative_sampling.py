@@ -267,6 +267,7 @@ NEW_TOKENS = 4  # k = 2: one round drafts tokens 2 and 3 and adds a bonus 4th, o
 K = 2
 SAMPLING = {
     "t1": {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+    "t0.7-k8": {"temperature": 0.7, "top_k": 8, "top_p": 1.0},  # the kind of transformers' default (top_k=50)
     "t0.7-k8-p0.9": {"temperature": 0.7, "top_k": 8, "top_p": 0.9},
 }
 
@@ -360,11 +361,17 @@ def sampled_tokens(
 
     Each setting gets its own seed, so the samples of different settings are independent.
     """
-    seeds = {(None, None, None): 0, ("pillar", None, None): 1, ("ngram", None, None): 2, ("pillar", False, None): 3}
+    seeds = {
+        (None, None, None): 0,
+        ("pillar", None, None): 1,
+        ("ngram", None, None): 2,
+        ("pillar", False, None): 3,
+        ("pillar", None, True): 4,
+    }
     seed = seeds.get((draft, draft_chain, delayed_verify), 6) + (7 if cuda_graphs else 0)
     wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS, draft_chain, delayed_verify, cuda_graphs)
     assert wrapped.engine.draft_chain is (draft == "pillar" and draft_chain is None)
-    assert wrapped.engine.delayed_verify is (draft is None and delayed_verify is not False)
+    assert wrapped.engine.delayed_verify is (draft is None if delayed_verify is None else delayed_verify)
     outputs = generate(wrapped, seed, PROMPT, NUM_SAMPLES, NEW_TOKENS, **SAMPLING[sampling])
     if cuda_graphs and SAMPLING[sampling]["top_k"] == 0 and SAMPLING[sampling]["top_p"] == 1.0:
         assert wrapped.engine.runner.chain_graphs._steps, "the chains did not run through the chain graph"
@@ -409,22 +416,29 @@ def test_plain_sampling_matches_the_exact_distribution(sampling, delayed_verify)
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize(
-    ("draft", "draft_chain", "cuda_graphs"),
-    [("pillar", None, None), ("pillar", None, True), ("pillar", False, None), ("ngram", None, None)],
-    ids=["pillar", "pillar-graphs", "pillar-stepwise", "ngram"],
+    ("draft", "draft_chain", "cuda_graphs", "delayed_verify"),
+    [
+        ("pillar", None, None, None),
+        ("pillar", None, True, None),
+        ("pillar", False, None, None),
+        ("pillar", None, None, True),
+        ("ngram", None, None, None),
+    ],
+    ids=["pillar", "pillar-graphs", "pillar-stepwise", "pillar-delayed", "ngram"],
 )
-def test_speculative_sampling_is_lossless(draft, draft_chain, cuda_graphs, sampling):
+def test_speculative_sampling_is_lossless(draft, draft_chain, cuda_graphs, delayed_verify, sampling):
     """Speculative decoding samples exactly the target distribution: 1200 samples of the first 4 tokens from one
     prompt (token 1 from the prefill, tokens 2-3 drafted and verified, token 4 a bonus or a new round), each
     token and each adjacent pair against the exact distribution, and tokens 1 and 1-2 against draft=None samples
     (two-sample chi-square). Bonferroni over the 9 comparisons. PillarAttn runs both ways: a round's drafts
     chained in one step (sampled on the device, each fed to the next forward), the same through the padded
-    static path of CUDA graphs (its chain graph samples temperature-only settings itself), and one draft per step.
+    static path of CUDA graphs (its chain graph samples temperature-only settings itself), one draft per step, and
+    with delayed verification (the batch's halves alternate, each launched while the other is read back).
 
     The rejection rate must be strictly between 0 and 1 (pillar with min_budget=4 attends to ~4 of 12+
     positions; n-gram proposals come from the prompt's repeats), else acceptance or rejection goes untested.
     """
-    tokens, stats = sampled_tokens(draft, sampling, draft_chain, cuda_graphs=cuda_graphs)
+    tokens, stats = sampled_tokens(draft, sampling, draft_chain, delayed_verify, cuda_graphs)
     plain, _ = sampled_tokens(None, sampling)
     rejection_rate = 1 - stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
     assert stats.num_rounds >= NUM_SAMPLES // 2, f"only {stats.num_rounds} speculation rounds"
@@ -435,7 +449,8 @@ def test_speculative_sampling_is_lossless(draft, draft_chain, cuda_graphs, sampl
     p_values["t1t2 vs draft=None"] = two_sample(counts.sum((2, 3)), plain_counts.sum((2, 3)))
     assert_p_values(
         p_values,
-        f"{draft} chain={draft_chain} graphs={cuda_graphs} {sampling} ({stats.num_rounds} rounds, "
+        f"{draft} chain={draft_chain} graphs={cuda_graphs} delayed={delayed_verify} {sampling} ({stats.num_rounds} "
+        f"rounds, "
         f"rejection rate {rejection_rate:.3f})",
     )
 

@@ -5,7 +5,8 @@ on a GPU, counted on any machine.
     TRITON_INTERPRET=1 python -m torchspec.bench.layer_ops    # elsewhere: the kernels in Triton's interpreter
 
 A random model of SmolLM2's widths (vocabulary cut to 1,000) with one layer, then with two, decodes one step
-for 2 requests (``draft=None``, the Triton op set); the difference of the two
+for 2 requests (``draft=None``, the Triton op set, eager: with CUDA graphs a GPU would count the capture's
+warm-up runs too, three forwards for one); the difference of the two
 counts is one layer's. View ops (no kernel) are left out; ``attend`` is torchspec's attention op, which holds
 the K/V store (two index copies, or the rotary-store kernel of a fused layer) and the attention kernel.
 """
@@ -46,7 +47,12 @@ def step_ops(num_layers: int, fuse_layers: bool, device: torch.device) -> Counte
     """Ops of one decode step (a second generated token) of a random ``num_layers``-layer model."""
     model = random_model(device, torch.float32, num_hidden_layers=num_layers, vocab_size=1000)
     wrapped = sparsespec.wrap(
-        model, draft=None, fuse_layers=fuse_layers, attention_backend="triton", kv_capacity_tokens=256
+        model,
+        draft=None,
+        fuse_layers=fuse_layers,
+        attention_backend="triton",
+        kv_capacity_tokens=256,
+        cuda_graphs=False,
     )
     input_ids = torch.randint(0, 1000, (2, 8), device=device)
     counts = []

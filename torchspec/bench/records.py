@@ -25,7 +25,8 @@ SWITCHES = {"auto": None, "on": True, "off": False}  # a tri-state wrap() option
 ENGINE_SWITCHES = {
     "compile": "torch.compile the model forward (auto: off)",
     "cuda_graphs": "replay decoding steps from CUDA graphs (auto: on with CUDA)",
-    "delayed_verify": "launch each step before reading the last one back (auto: on without speculation)",
+    "delayed_verify": "launch each step before reading the last one back; with speculation the batch's halves "
+    "alternate (auto: on without speculation)",
     "draft_chain": "a request drafts its whole round in one engine step (auto: where the policy allows)",
     "adaptive_rounds": "choose each step's round length from measured costs (auto: on with draft chains on CUDA)",
     "fuse_layers": "one GEMM for q/k/v and gate/up, one kernel per norm, RoPE, SiLU x mul (auto: on)",
