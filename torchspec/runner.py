@@ -204,35 +204,37 @@ class Runner:
         of a draft chain."""
         num_layers, num_heads = len(self.policy.sparse_layers), self.policy.num_kv_heads
         shape = (num_heads,) if fixed[0].dim() == 2 else (num_layers, num_heads)
-        # Each distinct tensor is sent once: a round's pattern serves every forward of its draft chain.
+        # Each distinct tensor is sent once: a round's pattern serves every forward of its draft chain. The
+        # offsets are NumPy over all entries (a chain's lists at batch 256 hold 1,792 of them).
         distinct = {id(f): f for f in fixed}  # first seen first
-        index = {key: i for i, key in enumerate(distinct)}
-        which = [index[id(f)] for f in fixed]
+        number = {key: i for i, key in enumerate(distinct)}
+        which = np.fromiter((number[id(f)] for f in fixed), np.int64, len(fixed))
         sources = [f.expand(*shape, -1) if f.dim() == 1 else f for f in distinct.values()]
-        source_starts = list(itertools.accumulate((f.shape[-1] for f in sources), initial=0))
-        fixed_lengths = [source_starts[w + 1] - source_starts[w] for w in which]
-        recent_lengths = [0] * len(rows)
-        if recent_from is not None:
-            recent_lengths = [position + 1 - first for position, first in zip(positions, recent_from, strict=True)]
-        lengths = [a + b for a, b in zip(fixed_lengths, recent_lengths, strict=True)]
-        indptr = list(itertools.accumulate(lengths, initial=0))
-        fixed_starts = list(itertools.accumulate(fixed_lengths, initial=0))
-        recent_starts = list(itertools.accumulate(recent_lengths, initial=0))
+        source_starts = _offsets(np.fromiter((f.shape[-1] for f in sources), np.int64, len(sources)))
+        fixed_lengths = np.diff(source_starts)[which]
+        first_recent = np.asarray(positions if recent_from is None else recent_from, dtype=np.int64)
+        recent_lengths = np.asarray(positions, dtype=np.int64) + 1 - first_recent
+        if recent_from is None:
+            recent_lengths[:] = 0
+        lengths = fixed_lengths + recent_lengths
+        indptr, fixed_starts, recent_starts = _offsets(lengths), _offsets(fixed_lengths), _offsets(recent_lengths)
         meta = self._tensor(
-            [list(rows), lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1], recent_lengths, recent_starts[:-1],
-             list(recent_from or [0] * len(rows)), [source_starts[w] for w in which]]
+            np.stack([np.asarray(rows, dtype=np.int64), lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1],
+                      recent_lengths, recent_starts[:-1], first_recent, source_starts[which]])
         )  # fmt: skip
         row, length, start, fixed_length, fixed_start, recent_length, recent_start, first_recent, source_start = meta
-        positions = torch.empty(*shape, indptr[-1], dtype=torch.int64, device=self.device)
-        owner = self._owners(fixed_length, fixed_starts[-1])
-        local = torch.arange(fixed_starts[-1], device=self.device) - fixed_start[owner]
+        total, total_fixed, total_recent = int(indptr[-1]), int(fixed_starts[-1]), int(recent_starts[-1])
+        positions = torch.empty(*shape, total, dtype=torch.int64, device=self.device)
+        owner = self._owners(fixed_length, total_fixed)
+        local = torch.arange(total_fixed, device=self.device) - fixed_start[owner]
         source = torch.cat(sources, dim=-1).to(self.device)  # one device each policy
         positions[..., start[owner] + local] = source[..., source_start[owner] + local]
-        owner = self._owners(recent_length, recent_starts[-1])
-        local = torch.arange(recent_starts[-1], device=self.device) - recent_start[owner]
+        owner = self._owners(recent_length, total_recent)
+        local = torch.arange(total_recent, device=self.device) - recent_start[owner]
         positions[..., start[owner] + fixed_length[owner] + local] = first_recent[owner] + local
-        entry_rows = torch.repeat_interleave(row, length, output_size=indptr[-1])
-        return KVView(self._tensor(indptr), self.table.lookup(entry_rows, positions), max(lengths)), indptr
+        entry_rows = torch.repeat_interleave(row, length, output_size=total)
+        kv_view = KVView(self._tensor(indptr), self.table.lookup(entry_rows, positions), int(lengths.max()))
+        return kv_view, indptr.tolist()
 
     def _owners(self, lengths: torch.Tensor, total: int) -> torch.Tensor:
         """For each of ``total`` concatenated entries, the index of the request it belongs to."""
@@ -355,14 +357,16 @@ class Runner:
             return []
         # Forward j (1 .. longest - 1) holds the drafts whose chain is longer than j: a prefix of them. Its
         # entries, forward after forward: each such draft at its first position + j.
-        counts = [sum(item.chain > j for item in drafts) for j in range(1, longest)]
+        chains = np.fromiter((item.chain for item in drafts), np.int64, len(drafts))
+        counts = (chains[None, :] > np.arange(1, longest)[:, None]).sum(axis=1).tolist()
         owner = np.concatenate([np.arange(count) for count in counts])
-        first_positions = np.array([item.first_position for item in drafts])
+        first_positions = np.fromiter((item.first_position for item in drafts), np.int64, len(drafts))
         positions = (first_positions[owner] + np.repeat(np.arange(1, longest), counts)).tolist()
         requests = [drafts[i].request for i in owner.tolist()]
         draft_rows = [self.table.row(item.request) for item in drafts]
         rows = np.array(draft_rows)[owner].tolist()
-        layout = self._tensor([positions, [r.slots[p] for r, p in zip(requests, positions, strict=True)]])
+        slots = np.fromiter((r.slots[p] for r, p in zip(requests, positions, strict=True)), np.int64, len(positions))
+        layout = self._tensor(np.stack([np.asarray(positions, dtype=np.int64), slots]))
         self.table.write(rows, positions, layout[1])
         lists, offsets = None, None
         if not self.policy.selects_in_attention:
@@ -756,6 +760,11 @@ def _sampled_row_count(item: ScheduledRequest) -> int:
     if not item.samples:
         return 0
     return item.num_query_tokens if item.phase is Phase.VERIFY else 1
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """Start offsets of consecutive pieces of ``lengths`` items, and the total at the end."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
 def _split(values: list[int], sizes: Sequence[int]) -> list[list[int]]:
