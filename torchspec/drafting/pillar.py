@@ -109,8 +109,14 @@ class PillarPolicy(DraftPolicy):
         picks = scores.topk(max(counts), dim=-1).indices.permute(2, 0, 1, 3)  # [J, layers, Hkv, max count]
         picks = torch.where(ranks < count[:, :, None, None], picks + sink[:, :, None, None], -1)
         patterns = _expand_successors(picks, span, old[:, :, None, None])  # -1 padding sorts first
-        for request, pattern, num_picks, num_sinks in zip(requests, patterns.unbind(0), counts, sinks, strict=True):
-            self._store(request, pattern[..., pattern.shape[-1] - num_picks * span :], num_sinks)
+        # Each request's rows trimmed to its own Top-K: one slice and one unbind per distinct width (a batch's
+        # requests share a few), not a view per request (256 of a round's ~640 host ops at batch 256).
+        trimmed: dict[int, tuple[torch.Tensor, ...]] = {}
+        for index, (request, num_picks, num_sinks) in enumerate(zip(requests, counts, sinks, strict=True)):
+            width = num_picks * span
+            if width not in trimmed:
+                trimmed[width] = patterns[..., patterns.shape[-1] - width :].unbind(0)
+            self._store(request, trimmed[width][index], num_sinks)
 
     @staticmethod
     def _store(request: Request, pattern: torch.Tensor, sinks: int) -> None:
