@@ -93,32 +93,33 @@ class Runner:
 
         Host work grows with the batch and the step's query tokens, not with the context: slot lists are
         gathered from the device slot table (see slot_table.py)."""
-        token_ids: list[int] = []
-        fed_tokens: list[int] = []  # token indices whose input is the in-flight step's token, on the device
-        fed_rows: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        token_rows: list[int] = []
-        cu_seqlens_q = [0]
-        rows, starts, ends = [], [], []
-        for item in plan.scheduled:
-            request, start = item.request, item.first_position
-            end = start + item.num_query_tokens
-            row = self.table.row(request)
-            if item.fed:
-                fed_tokens.append(len(positions))
-                fed_rows.append(row)
-            if input_ids is None:
-                token_ids.extend(item.query_token_ids())
-            positions.extend(range(start, end))
-            slot_mapping.extend(request.slots[start:end])
-            token_rows.extend([row] * item.num_query_tokens)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_query_tokens)
-            rows.append(row)
-            starts.append(start)
-            ends.append(end)
-        slots = self._tensor(slot_mapping)
-        self.table.write(token_rows, positions, slots)
+        items = plan.scheduled
+        count = len(items)
+        rows = [self.table.row(item.request) for item in items]
+        starts = np.fromiter((item.first_position for item in items), np.int64, count)
+        lengths = np.fromiter((item.num_query_tokens for item in items), np.int64, count)
+        cu_seqlens_q = _offsets(lengths)
+        total = int(cu_seqlens_q[-1])
+        owner = np.repeat(np.arange(count), lengths)  # each query token's request
+        positions = starts[owner] + np.arange(total) - cu_seqlens_q[owner]
+        slot_mapping = np.fromiter(
+            itertools.chain.from_iterable(
+                item.request.slots[start : start + length]
+                for item, start, length in zip(items, starts.tolist(), lengths.tolist(), strict=True)
+            ),
+            np.int64,
+            total,
+        )
+        # One transfer for the step's per-token inputs: positions, slots, slot-table rows (and token ids).
+        columns = [positions, slot_mapping, np.asarray(rows, dtype=np.int64)[owner]]
+        if input_ids is None:
+            tokens = itertools.chain.from_iterable(item.query_token_ids() for item in items)
+            columns.append(np.fromiter(tokens, np.int64, total))
+        per_token = self._tensor(np.stack(columns))
+        position_ids, slots = per_token[0], per_token[1]
+        self.table.write(per_token[2], position_ids, slots, end=int(positions.max()) + 1)
+        ends = (starts + lengths).tolist()
+        starts = starts.tolist()
         num_drafts = plan.num_drafts
         scored = self._scored_queries(plan.scheduled[num_drafts:])
         full = rows[num_drafts:], [0] * (len(rows) - num_drafts), ends[num_drafts:]
@@ -135,14 +136,16 @@ class Runner:
             draft_lists=draft_lists,
             draft_select=self._draft_selector(plan.scheduled[:num_drafts]),
             num_scored_queries=None if not any(scored) else self._tensor(scored),
-            max_q_len=max(item.num_query_tokens for item in plan.scheduled),
+            max_q_len=int(lengths.max()),
             max_scored_queries=max(scored, default=0),
         )
-        ids = self._tensor(token_ids) if input_ids is None else input_ids
-        if fed_tokens:
-            index = self._tensor([fed_tokens, fed_rows])
+        ids = per_token[3] if input_ids is None else input_ids
+        # Tokens whose input is the in-flight step's token, on the device (delayed verification).
+        fed = [(int(cu_seqlens_q[i]), rows[i]) for i, item in enumerate(items) if item.fed]
+        if fed:
+            index = self._tensor(list(zip(*fed, strict=True)))
             ids[index[0]] = self.table.last_tokens[index[1]]
-        return ids[None], self._tensor(positions)[None], metadata
+        return ids[None], position_ids[None], metadata
 
     def _view(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> KVView:
         indptr, indices = self.table.gather(rows, starts, ends)
@@ -361,13 +364,16 @@ class Runner:
         counts = (chains[None, :] > np.arange(1, longest)[:, None]).sum(axis=1).tolist()
         owner = np.concatenate([np.arange(count) for count in counts])
         first_positions = np.fromiter((item.first_position for item in drafts), np.int64, len(drafts))
-        positions = (first_positions[owner] + np.repeat(np.arange(1, longest), counts)).tolist()
+        entry_positions = first_positions[owner] + np.repeat(np.arange(1, longest), counts)
+        positions = entry_positions.tolist()
         requests = [drafts[i].request for i in owner.tolist()]
         draft_rows = [self.table.row(item.request) for item in drafts]
-        rows = np.array(draft_rows)[owner].tolist()
+        entry_rows = np.array(draft_rows)[owner]
+        rows = entry_rows.tolist()
         slots = np.fromiter((r.slots[p] for r, p in zip(requests, positions, strict=True)), np.int64, len(positions))
-        layout = self._tensor(np.stack([np.asarray(positions, dtype=np.int64), slots]))
-        self.table.write(rows, positions, layout[1])
+        sent = self._tensor(np.stack([entry_positions, slots, entry_rows]))
+        self.table.write(sent[2], sent[0], sent[1], end=int(entry_positions.max()) + 1)
+        layout = sent[:2]  # positions, slots
         lists, offsets = None, None
         if not self.policy.selects_in_attention:
             lists, offsets = self._policy_lists(requests, rows, positions)

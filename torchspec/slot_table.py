@@ -61,15 +61,13 @@ class SlotTable:
         self.last_tokens = last_tokens
         self._free_rows = list(range(rows - 1, old_rows - 1, -1)) + self._free_rows
 
-    def write(self, rows: Sequence[int], positions: Sequence[int], slots: torch.Tensor) -> None:
-        """Record the slots of the positions a step computes (``slots`` already on the device)."""
-        if not rows:
-            return
-        needed = max(positions) + 1
-        if needed > self.slots.shape[1]:
-            self._grow(rows=self.slots.shape[0], width=max(needed, 2 * self.slots.shape[1], 256))
-        index = to_device([rows, positions], self.device)
-        self.slots[index[0], index[1]] = slots
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, end: int) -> None:
+        """Record the slots of the positions a step computes (all three on the device, sent by the caller
+        with the rest of its step's inputs); ``end``: one past the largest position, from the host, so the
+        table grows without reading the device."""
+        if end > self.slots.shape[1]:
+            self._grow(rows=self.slots.shape[0], width=max(end, 2 * self.slots.shape[1], 256))
+        self.slots[rows, positions] = slots
 
     def gather(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> tuple[list[int], torch.Tensor]:
         """Concatenated slots of positions ``[starts[i], ends[i])`` of each row: an indptr (host) and the

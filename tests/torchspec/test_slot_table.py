@@ -34,10 +34,11 @@ def test_gather_and_lookup_follow_the_written_slots_through_growth_and_reuse():
             rows += [row] * len(new)
             positions += list(range(start, length))
             slots += new
-        table.write(rows, positions, torch.tensor(slots))
+        table.write(torch.tensor(rows), torch.tensor(positions), torch.tensor(slots), max(positions) + 1)
     # a verify rewrites the last two positions of request 3 with new slots
     row3 = table.row(requests[3])
-    table.write([row3, row3], [len(truth[row3]) - 2, len(truth[row3]) - 1], torch.tensor([7, 8]))
+    last = len(truth[row3])
+    table.write(torch.tensor([row3, row3]), torch.tensor([last - 2, last - 1]), torch.tensor([7, 8]), last)
     truth[row3][-2:] = [7, 8]
 
     rows = [table.row(r) for r in requests]
