@@ -215,10 +215,9 @@ class Runner:
         sources = [f.expand(*shape, -1) if f.dim() == 1 else f for f in distinct.values()]
         source_starts = _offsets(np.fromiter((f.shape[-1] for f in sources), np.int64, len(sources)))
         fixed_lengths = np.diff(source_starts)[which]
-        first_recent = np.asarray(positions if recent_from is None else recent_from, dtype=np.int64)
-        recent_lengths = np.asarray(positions, dtype=np.int64) + 1 - first_recent
-        if recent_from is None:
-            recent_lengths[:] = 0
+        ends = np.asarray(positions, dtype=np.int64) + 1
+        first_recent = ends if recent_from is None else np.asarray(recent_from, dtype=np.int64)  # None: no run
+        recent_lengths = ends - first_recent
         lengths = fixed_lengths + recent_lengths
         indptr, fixed_starts, recent_starts = _offsets(lengths), _offsets(fixed_lengths), _offsets(recent_lengths)
         meta = self._tensor(

@@ -34,7 +34,7 @@ def warp_logits(
     temperature: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
-    max_top_k: int = 0,
+    max_top_k: int,
 ) -> torch.Tensor:
     """Per-row temperature, top-k (0 = off) and top-p, exactly as transformers' warpers compute them.
 
@@ -43,7 +43,7 @@ def warp_logits(
     rounds it to fp32, and a cut-off rounded differently drops different tokens at the boundary. Rows with
     ``top_p == 1`` skip top-p entirely, as in transformers. ``None`` skips a filter for every row (no full
     sort of the vocabulary for it: the common case, and two sorts of ``[256, V]`` cost more than the forward
-    of a small model). ``max_top_k`` (with ``top_k``): at least every row's top_k, known on the host, so each
+    of a small model). ``max_top_k``: at least every row's top_k (0: none filters), known on the host, so each
     row's threshold (its k-th largest logit, transformers' cut-off) comes from one ``topk`` of that width
     instead of a sort of the vocabulary (transformers' default top_k=50 against a 49K vocabulary).
     """
