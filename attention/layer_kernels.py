@@ -73,7 +73,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["Slots"])  # read one by one; rows of a chain graph's [forwards, D']
 def _rotary_store_kernel(
     Q,
     K,

@@ -238,7 +238,13 @@ _PER_STEP = [
 ]
 
 
-@triton.jit(do_not_specialize=["num_first", "programs_second", "window", *_PER_STEP])
+@triton.jit(
+    do_not_specialize=["num_first", "programs_second", "window", *_PER_STEP],
+    # Arrays a program reads a few scalars of: aligned loads buy nothing, and as rows of a graph's per-forward
+    # buffers (a chain graph's list offsets, [forwards, D' + 1]) their addresses alternate between 16-byte
+    # aligned and not, so Triton would compile each kernel twice (1-4 s apiece on an H200, mid-run).
+    do_not_specialize_on_alignment=["cu_seqlens_q", "indptr_first", "indptr_second"],
+)
 def _attention_kernel(
     Q,
     K,
@@ -371,7 +377,10 @@ def _merge_splits_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_mh"])
+@triton.jit(
+    do_not_specialize=["num_splits", "stride_mh"],
+    do_not_specialize_on_alignment=["Lse", "cu_seqlens_q", "kv_indptr", "num_scored"],  # as _attention_kernel's
+)
 def _mass_kernel(
     Q,
     K,

@@ -3,6 +3,7 @@ CUDA; run directly on the CPU) and give the dynamic path's tokens."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -14,6 +15,8 @@ from torchspec import sparsespec
 from torchspec.cuda_graphs import bucket_sizes
 from torchspec.engine import use_cuda_graphs
 from torchspec.request import SamplingParams
+
+triton_interpreter = pytest.importorskip("triton.runtime.interpreter")
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -122,3 +125,63 @@ def test_steady_steps_synchronise_at_most_once(draft, delayed_verify):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(len(syncs) <= 1 for syncs in per_step), per_step
+
+
+def _specialization(function, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """A launch's constexprs and the specialization key Triton's JIT would compile it under (its rule,
+    modelled): each pointer's 16-byte alignment and each int's being 1 or a multiple of 16, unless the kernel
+    opts that argument out (``do_not_specialize_on_alignment``, ``do_not_specialize``)."""
+    parameters = inspect.signature(function.fn).parameters
+    unaligned = set(function.kwargs.get("do_not_specialize_on_alignment") or ())
+    unspecialized = set(function.kwargs.get("do_not_specialize") or ())
+    # Positional arguments first (constexprs usually come as keywords after them).
+    values = dict(zip(function.arg_names, args, strict=False)) | {n: kwargs[n] for n in parameters if n in kwargs}
+    constexprs, key = [], []
+    for name, parameter in parameters.items():
+        value = values.get(name)
+        if "constexpr" in str(parameter.annotation):
+            constexprs.append((name, value))
+        elif isinstance(value, torch.Tensor) and name not in unaligned:
+            key.append((name, value.data_ptr() % 16 == 0))
+        elif type(value) is int and name not in unspecialized:
+            key.append((name, value == 1, value % 16 == 0))
+    return (function.fn.__name__, *constexprs), tuple(key)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts launches in Triton's CPU interpreter")
+def test_a_shrinking_batch_compiles_each_kernel_once(monkeypatch):
+    """Sampled speculation (its chains in the chain graph) while a batch drains through its buckets: every
+    launch of a kernel with the same constexprs has one specialization key, so a GPU compiles it once. W1 on an H200
+    compiled the attention kernel again mid-run (1-4 s each) because a chain graph's per-forward list
+    offsets are rows of one ``[forwards, D' + 1]`` buffer, 16-byte aligned on every other forward."""
+    keys: dict[tuple, set[tuple]] = {}
+    launch = triton_interpreter.InterpretedFunction.run
+
+    def recorded(self, *args, **kwargs):
+        constexprs, key = _specialization(self, args, kwargs)
+        keys.setdefault(constexprs, set()).add(key)
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_interpreter.InterpretedFunction, "run", recorded)
+    spec = tiny_spec("llama", 2)
+    engine = sparsespec.wrap(
+        spec.build(), draft="pillar_recent", cuda_graphs=True, attention_backend="triton", **OPTIONS
+    ).engine
+    generator = torch.Generator().manual_seed(5)
+    requests = []
+    for index, new_tokens in enumerate((3, 6, 9, 12)):  # finishing one after another
+        prompt = torch.randint(3, spec.config().vocab_size, (12 + index,), generator=generator).tolist()
+        params = SamplingParams(new_tokens, new_tokens, do_sample=True, temperature=0.7)
+        requests.append(engine.new_request(index, prompt, params))
+    for _ in engine.steps(requests):
+        pass
+    assert [request.num_output_tokens for request in requests] == [3, 6, 9, 12]
+    assert any(constexprs[0] == "_attention_kernel" for constexprs in keys)
+    varying = {  # kernel -> the arguments whose specialization differs between its launches
+        constexprs[0]: sorted(
+            {entry[0] for key in found for entry in key if sum(entry in k for k in found) < len(found)}
+        )
+        for constexprs, found in keys.items()
+        if len(found) > 1
+    }
+    assert not varying, varying

@@ -6,9 +6,9 @@ on a GPU, counted on any machine.
 
 A random model of SmolLM2's widths (vocabulary cut to 1,000) with one layer, then with two, decodes one step
 for 2 requests (``draft=None``, the Triton op set, eager: with CUDA graphs a GPU would count the capture's
-warm-up runs too, three forwards for one); the difference of the two
-counts is one layer's. View ops (no kernel) are left out; ``attend`` is torchspec's attention op, which holds
-the K/V store (two index copies, or the rotary-store kernel of a fused layer) and the attention kernel.
+warm-up run too, two forwards for one); the difference of the two counts is one layer's. View ops (no kernel)
+are left out; ``attend`` is torchspec's attention op, which holds the K/V store (two index copies, or the
+rotary-store kernel of a fused layer) and the attention kernel.
 """
 
 from __future__ import annotations

@@ -7,8 +7,12 @@ An ablation in one command: each ``--drafts`` entry may turn engine switches on 
 e.g. ``--drafts none none+compile pillar_recent-adaptive_rounds pillar_recent pillar_recent+compile``.
 
 Every request generates exactly ``--max-new-tokens`` tokens (EOS is held back with ``min_new_tokens``, the
-transformers way of ignoring it), so runs compare equal work. One JSON line per draft setting: wall time,
-generated tokens per second, engine steps, mean accepted drafts per round, peak device memory.
+transformers way of ignoring it), so runs compare equal work. Before the timed run, each setting's engine
+generates ``--warmup-tokens`` tokens for every prompt (untimed, recorded as ``warmup_s``): first-use costs
+(Triton and FlexAttention compiles, the full batch's graph captures) would otherwise fall on whichever setting
+runs first; captures for the smaller batches of the tail stay in the timed run, as in a real job. One JSON
+line per draft setting: wall time, generated tokens per second, engine steps, mean accepted drafts per round,
+peak device memory.
 """
 
 from __future__ import annotations
@@ -92,27 +96,38 @@ def measure(
     max_new_tokens: int,
     temperature: float,
     seed: int = 0,
+    warmup_tokens: int = 0,
     **options,
 ) -> dict:
-    """One ``generate_batch`` over ``prompts`` with ``draft``; its throughput record."""
+    """One ``generate_batch`` over ``prompts`` with ``draft`` (after an untimed one of ``warmup_tokens`` tokens
+    each, when asked); its throughput record."""
     device = next(model.parameters()).device
     if device.type == "cuda":  # the last setting's pool must be gone before this one sizes its own
         gc.collect()
         torch.cuda.empty_cache()
     wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=len(prompts), **options)
+
+    def generate(new_tokens: int) -> list[RequestOutput]:
+        return wrapped.generate_batch(
+            [list(p) for p in prompts],
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else 1.0,
+        )
+
+    torch.manual_seed(seed)
+    warmup_s = 0.0
+    if warmup_tokens:
+        warmup_start = time.perf_counter()
+        generate(warmup_tokens)
+        warmup_s = time.perf_counter() - warmup_start
     timeline = StepTimeline(wrapped.engine)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(seed)
     start, cpu_start = time.perf_counter(), time.process_time()
-    outputs = wrapped.generate_batch(
-        [list(p) for p in prompts],
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else 1.0,
-    )
+    outputs = generate(max_new_tokens)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = wrapped.last_stats
     generated = sum(len(o.token_ids) for o in outputs)
@@ -121,6 +136,8 @@ def measure(
         "requests": len(prompts),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
+        "warmup_tokens": warmup_tokens,
+        "warmup_s": warmup_s,
         "generated_tokens": generated,
         "seconds": seconds,
         "tokens_per_s": generated / seconds,
@@ -165,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=4096)
     parser.add_argument("--temperature", type=float, default=0.65)
     parser.add_argument(
+        "--warmup-tokens", type=int, default=16, help="untimed tokens per prompt before each timed run (0: none)"
+    )
+    parser.add_argument(
         "--drafts",
         nargs="+",
         default=["none", "pillar_recent"],
@@ -182,7 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.prompts)]
     for text, draft, overrides in settings:
         options = engine_options(args) | overrides
-        record = measure(model, prompts, draft, args.max_new_tokens, args.temperature, **options)
+        record = measure(
+            model, prompts, draft, args.max_new_tokens, args.temperature, warmup_tokens=args.warmup_tokens, **options
+        )
         record["setting"] = text
         print(
             f"{text}: {record['generated_tokens']} tokens in {record['seconds']:.1f} s, "
