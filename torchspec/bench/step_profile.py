@@ -1,30 +1,40 @@
-"""Where a speculative step's time goes: per-step wall times and a torch.profiler table, no model file needed.
+"""Where a speculative step's time goes: per-step wall times, the host's share of them by phase, and a
+torch.profiler table with the GPU timeline.
 
     python -m torchspec.bench.step_profile --batch 256 --out profile.txt [--draft-chain off]
+    python -m torchspec.bench.step_profile --model SmolLM2-135M-Instruct.Q4_1.gguf --warmup-steps 250
 
-A randomly initialised model of SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads, vocabulary 49,152)
-decodes sampled tokens from random prompts with PillarAttn drafts. Random weights make the drafts mostly
-rejected, which does not change a step's structure (a round always drafts k tokens), so host and GPU work per
-step are those of the real model. Once every prompt is in, and ``--warmup-steps`` later (graphs captured),
-the wall time of each step is taken (synchronised, so GPU work counts), then ``--profile-steps`` run under
-``torch.profiler``: host calls that block (e.g. a synchronous copy) show as large self CPU times, idle GPU
-as a self CUDA total well below the wall time.
+Without ``--model``, a randomly initialised model of SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads,
+vocabulary 49,152) decodes from random prompts (no model file needed): random weights make the drafts mostly
+rejected, which does not change a step's structure (a round always drafts k tokens). With ``--model``, that
+model decodes W1's prompts (the packaged reasoning problems in its chat template), so acceptance and contexts
+are the real ones. Sampling is W1's: temperature 0.65 and top-k 50 (transformers' default, which
+``generate_batch`` applies; ``--top-k 0`` turns it off). Once every prompt is in, and ``--warmup-steps`` later
+(graphs captured; contexts grow by ~7 tokens a round), the wall time of each step is taken (synchronised, so GPU
+work counts) with the host's time in each phase of the engine loop (plan, launch, read-back, commit); then
+``--profile-steps`` run under ``torch.profiler``: host calls that block show as large self CPU times, idle GPU as
+a self CUDA total well below the wall time, and the GPU timeline splits replays from kernels launched one by one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from torchspec import sparsespec
 from torchspec.bench.records import add_engine_arguments, engine_options
+from torchspec.models import load_model
 from torchspec.request import SamplingParams
-from torchspec.scheduler import Phase
+from torchspec.runner import Runner
+from torchspec.scheduler import Phase, Scheduler
+from torchspec.workloads import chat_token_ids, read_prompts
 
 SMOLLM2_SHAPE = {
     "vocab_size": 49152,
@@ -46,40 +56,83 @@ def random_model(device: torch.device, dtype: torch.dtype, **overrides: int) -> 
     return LlamaForCausalLM(LlamaConfig(**(SMOLLM2_SHAPE | overrides))).to(device=device, dtype=dtype).eval()
 
 
+def random_prompts(vocab_size: int, batch: int, prompt_len: int) -> list[list[int]]:
+    """``batch`` prompts of ``prompt_len`` uniformly random token ids (seeded)."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(vocab_size, (batch, prompt_len), generator=generator).tolist()
+
+
+#: The phases of the engine loop whose host time a profile reports: (owner class, method) each. The read-back
+#: waits for the step's GPU work; launch only queues it, so its time overlaps the GPU's.
+HOST_PHASES = {
+    "plan": (Scheduler, "schedule"),
+    "launch": (Runner, "launch"),
+    "read-back": (Runner, "collect"),
+    "commit": (Scheduler, "commit"),
+}
+
+
+@contextlib.contextmanager
+def timed_phases(totals: dict[str, float]) -> Iterator[dict[str, float]]:
+    """While active, the wall ms spent in each of :data:`HOST_PHASES` add up in ``totals``."""
+    originals = [(owner, method, getattr(owner, method)) for owner, method in HOST_PHASES.values()]
+
+    def timed(name: str, function):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[name] = totals.get(name, 0.0) + 1e3 * (time.perf_counter() - start)
+
+        return run
+
+    for name, (owner, method, function) in zip(HOST_PHASES, originals, strict=True):
+        setattr(owner, method, timed(name, function))
+    try:
+        yield totals
+    finally:
+        for owner, method, function in originals:
+            setattr(owner, method, function)
+
+
 def profile_steps(
     model: torch.nn.Module,
-    batch: int,
-    prompt_len: int,
+    prompts: Sequence[Sequence[int]],
     warmup_steps: int,
     timed_steps: int,
     profile_steps: int,
+    top_k: int = 0,
     **options,
-) -> tuple[list[tuple[float, list[str]]], str]:
-    """Each timed step's (wall ms, phases it held), and the profiler's table of ``profile_steps`` more steps."""
+) -> tuple[list[tuple[float, list[str]]], dict[str, float], str]:
+    """Each timed step's (wall ms, phases it held), the host's ms per timed step in each phase of
+    :data:`HOST_PHASES`, and the profiler's report of ``profile_steps`` more steps."""
     device = next(model.parameters()).device
     # The decoding steps this profiles are graph replays, and whole rounds unless the round length is asked to
     # adapt (it would mix in plain steps).
     options = {"adaptive_rounds": False} | options | {"cuda_graphs": True}
-    wrapped = sparsespec.wrap(model, draft="pillar_recent", max_batch_size=batch, **options)
+    wrapped = sparsespec.wrap(model, draft="pillar_recent", max_batch_size=len(prompts), **options)
     engine = wrapped.engine
     # A step emits at most k + 1 tokens per request (a whole round): enough for the steps that take the prompts
     # in (each takes up to max_step_tokens of them) and every step asked for.
-    ramp_steps = -(-batch * prompt_len // engine.max_step_tokens) + 1
+    ramp_steps = -(-sum(map(len, prompts)) // engine.max_step_tokens) + 1
     new_tokens = (engine.config.k + 1) * (ramp_steps + warmup_steps + timed_steps + profile_steps)
-    params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=0.65)
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(vocab, (batch, prompt_len), generator=generator).tolist()
+    params = SamplingParams(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=0.65, top_k=top_k
+    )
     steps = iter(engine.steps([engine.new_request(i, prompt, params) for i, prompt in enumerate(prompts)]))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     while any(item.phase is Phase.PREFILL for item in next(steps)[0].scheduled):
         pass  # the prompts are not all in yet: warm-up counts from the first step without a prompt chunk
-    timed = []
-    for index in range(warmup_steps + timed_steps):
-        start = time.perf_counter()
-        plan, _ = next(steps)
-        sync()
-        if index >= warmup_steps:
+    for _ in range(warmup_steps):
+        next(steps)
+    sync()
+    timed, host = [], {}
+    with timed_phases(host):
+        for _ in range(timed_steps):
+            start = time.perf_counter()
+            plan, _ = next(steps)
+            sync()
             timed.append((1e3 * (time.perf_counter() - start), sorted({item.phase.value for item in plan.scheduled})))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -97,7 +150,7 @@ def profile_steps(
             profiler.export_chrome_trace(trace.name)
             events = json.loads(Path(trace.name).read_text())["traceEvents"]
         report += "\n" + format_segments(launch_segments(events))
-    return timed, report
+    return timed, {name: ms / timed_steps for name, ms in host.items()}, report
 
 
 def launch_segments(events: list[dict]) -> list[dict]:
@@ -149,8 +202,10 @@ def format_segments(segments: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a model file or directory: decode W1's prompts with it (default: random)")
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--prompt-len", type=int, default=200, help="random prompts' length (without --model)")
+    parser.add_argument("--top-k", type=int, default=50, help="sampling's top-k (W1: transformers' default 50)")
     parser.add_argument("--warmup-steps", type=int, default=16)
     parser.add_argument("--timed-steps", type=int, default=6)
     parser.add_argument("--profile-steps", type=int, default=4)
@@ -159,17 +214,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="write the step times and the profile table here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    model = random_model(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    timed, table = profile_steps(
-        model,
-        args.batch,
-        args.prompt_len,
-        args.warmup_steps,
-        args.timed_steps,
-        args.profile_steps,
-        **engine_options(args),
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.model:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+        prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.batch)]
+    else:
+        model = random_model(device, dtype)
+        prompts = random_prompts(model.config.vocab_size, args.batch, args.prompt_len)
+    timed, host, table = profile_steps(
+        model, prompts, args.warmup_steps, args.timed_steps, args.profile_steps, args.top_k, **engine_options(args)
     )
     report = "step wall times (ms, phases): " + ", ".join(f"{ms:.1f} {'+'.join(p)}" for ms, p in timed)
+    report += "\nhost ms per step: " + ", ".join(f"{name} {ms:.2f}" for name, ms in host.items())
     print(report)
     if args.out:
         with open(args.out, "w") as sink:
