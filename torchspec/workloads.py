@@ -29,3 +29,9 @@ def chat_token_ids(tokenizer: Any, prompt: str, system: str | None = None) -> li
     messages.append({"role": "user", "content": prompt})
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def reasoning_prompt_ids(tokenizer: Any, limit: int | None = None) -> list[list[int]]:
+    """The first ``limit`` packaged reasoning prompts as token ids in the tokenizer's chat template: W1's
+    prompts, which every benchmark decodes."""
+    return [chat_token_ids(tokenizer, text) for text in read_prompts(limit=limit)]

@@ -20,7 +20,7 @@ import torch
 from torchspec import sparsespec
 from torchspec.config import DRAFT_POLICIES
 from torchspec.models import load_model
-from torchspec.workloads import chat_token_ids, read_prompts
+from torchspec.workloads import reasoning_prompt_ids
 
 #: Context-length buckets of the table: [low, high).
 BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, None))
@@ -153,7 +153,7 @@ def main() -> None:
         return
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.prompts)]
+    prompts = reasoning_prompt_ids(tokenizer, args.prompts)
     spec = {"k": args.k, "sparsity": args.sparsity, "min_budget": args.min_budget, "max_batch_size": len(prompts)}
     baseline = sparsespec.wrap(model, draft=None, max_batch_size=len(prompts)).generate_batch(
         prompts, max_new_tokens=args.max_new_tokens, do_sample=False

@@ -20,7 +20,7 @@ from torchspec import sparsespec
 from torchspec.bench.records import add_model_arguments, append_record, environment
 from torchspec.config import DRAFT_POLICIES
 from torchspec.models import load_model
-from torchspec.workloads import chat_token_ids, read_prompts
+from torchspec.workloads import reasoning_prompt_ids
 
 
 def _agreement(expected: torch.Tensor, actual: torch.Tensor, width: int, head: int) -> dict:
@@ -46,7 +46,7 @@ def compare(
     draft: str | None = None,
 ) -> dict:
     hf_model, tokenizer = load_model(model_path, dtype=dtype, device=device)
-    prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=num_prompts)]
+    prompts = reasoning_prompt_ids(tokenizer, num_prompts)
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(device)
     timings = {}
     start = time.perf_counter()

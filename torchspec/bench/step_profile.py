@@ -34,7 +34,7 @@ from torchspec.models import load_model
 from torchspec.request import SamplingParams
 from torchspec.runner import Runner
 from torchspec.scheduler import Phase, Scheduler
-from torchspec.workloads import chat_token_ids, read_prompts
+from torchspec.workloads import reasoning_prompt_ids
 
 SMOLLM2_SHAPE = {
     "vocab_size": 49152,
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.model:
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-        prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.batch)]
+        prompts = reasoning_prompt_ids(tokenizer, args.batch)
     else:
         model = random_model(device, dtype)
         prompts = random_prompts(model.config.vocab_size, args.batch, args.prompt_len)

@@ -39,7 +39,7 @@ from torchspec.causal_lm import RequestOutput
 from torchspec.config import DRAFT_POLICIES
 from torchspec.engine import Engine
 from torchspec.models import load_model
-from torchspec.workloads import chat_token_ids, read_prompts
+from torchspec.workloads import reasoning_prompt_ids
 
 
 def _quantiles(values: Sequence[float], levels: Sequence[float]) -> list[float]:
@@ -116,7 +116,6 @@ def measure(
             temperature=temperature if temperature > 0 else 1.0,
         )
 
-    torch.manual_seed(seed)
     warmup_s = 0.0
     if warmup_tokens:
         warmup_start = time.perf_counter()
@@ -126,6 +125,7 @@ def measure(
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(seed)  # after the warm-up: the timed run samples the same with or without one
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs = generate(max_new_tokens)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     except argparse.ArgumentTypeError as error:
         parser.error(str(error))
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    prompts = [chat_token_ids(tokenizer, text) for text in read_prompts(limit=args.prompts)]
+    prompts = reasoning_prompt_ids(tokenizer, args.prompts)
     for text, draft, overrides in settings:
         options = engine_options(args) | overrides
         record = measure(
