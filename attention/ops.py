@@ -85,8 +85,10 @@ def _attention_mass(
 
 
 @_attention_mass.register_fake
-def _(query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, *args):
-    return query.new_empty((k_cache.shape[1], kv_indices.shape[-1]), dtype=torch.float32)
+def _(query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, lse, scale, num_scored_queries, max_scored, max_kv_len):
+    if max_kv_len is None:  # the width is the longest list: a value on the device, unknown when tracing
+        raise ValueError("attention_mass under torch.compile needs max_kv_len (its output's width)")
+    return query.new_empty((k_cache.shape[1], cu_seqlens_q.shape[0] - 1, max_kv_len), dtype=torch.float32)
 
 
 def paged_attention(

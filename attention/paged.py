@@ -378,7 +378,7 @@ def _merge_splits_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["num_splits", "stride_mh"],
+    do_not_specialize=["num_splits", "stride_mh", "stride_mb"],
     do_not_specialize_on_alignment=["Lse", "cu_seqlens_q", "kv_indptr", "num_scored"],  # as _attention_kernel's
 )
 def _mass_kernel(
@@ -398,6 +398,7 @@ def _mass_kernel(
     stride_lt,
     stride_lh,
     stride_mh,
+    stride_mb,
     scale_log2,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -407,8 +408,9 @@ def _mass_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """One (request, KV head, split of its list): exact probabilities ``exp(q.k * scale - lse)`` of the
-    request's last ``num_scored`` queries, summed over them and the group's heads, divided by their count.
-    The queries and their LSE are loaded once, then the split's blocks of K rows stream through."""
+    request's last ``num_scored`` queries, summed over them and the group's heads, divided by their count,
+    written to the request's row of ``Mass`` in list order. The queries and their LSE are loaded once, then the
+    split's blocks of K rows stream through."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -452,7 +454,7 @@ def _mass_kernel(
         visible = row_valid[:, None] & in_list[None, :] & (entries[None, :] <= last_visible[:, None])
         probs = tl.where(visible, tl.exp2(logits * scale_log2 - lse_log2[:, None]), 0.0)
         mass = tl.sum(probs, axis=0) / (count * GROUP)
-        tl.store(Mass + kv_head * stride_mh + kv_start + entries, mass, mask=in_list)
+        tl.store(Mass + kv_head * stride_mh + b * stride_mb + entries, mass, mask=in_list)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -767,14 +769,14 @@ def attention_mass(
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
     device = query.device
-    mass = torch.zeros(num_kv_heads, kv_indices.shape[-1], dtype=torch.float32, device=device)
     num_requests = cu_seqlens_q.shape[0] - 1
+    if max_kv_len is None:
+        max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max()) if num_requests else 0
+    mass = torch.zeros(num_kv_heads, num_requests, max_kv_len, dtype=torch.float32, device=device)
     if num_requests == 0 or kv_indices.shape[-1] == 0:
         return mass
     if max_scored is None:
         max_scored = int(num_scored_queries.max())
-    if max_kv_len is None:
-        max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
     if max_scored == 0:
         return mass
     constexprs = dict(
@@ -789,7 +791,7 @@ def attention_mass(
     def args(splits: int) -> list:
         return [query, k_cache, lse, mass, cu_seqlens_q, kv_indptr, kv_indices, num_scored_queries, splits,
                 query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), lse.stride(0),
-                lse.stride(1), mass.stride(0), scale * LOG2E]  # fmt: skip
+                lse.stride(1), mass.stride(0), mass.stride(1), scale * LOG2E]  # fmt: skip
 
     num_splits = num_splits if num_splits is not None else SPLIT_OVERRIDE
     if num_splits is None:

@@ -20,6 +20,7 @@ Layout conventions (shared by every implementation of these ops):
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -168,14 +169,18 @@ def attention_mass(
     For request ``b`` the last ``num_scored_queries[b]`` query tokens are scored (0 = not scored, its
     entries stay 0); probabilities are rematerialised from the logits and the ``lse`` the attention pass
     returned, ``exp(q.k * scale - lse)``, with the same causal mask. Shared lists only (``kv_indices`` of
-    shape ``[N]``). Returns ``[num_kv_heads, N]`` fp32, aligned with ``kv_indices``. ``max_scored`` and
-    ``max_kv_len`` are launch hints for the kernels, unused here.
+    shape ``[N]``). Returns ``[num_kv_heads, requests, width]`` fp32: row ``b`` holds the mass of request
+    ``b``'s list entries in list order, zeros past its list. ``width`` is ``max_kv_len`` (at least every list's
+    length; None: the longest), so a reader takes a Top-K per request without regrouping a flat list.
+    ``max_scored`` is a launch hint for the kernels, unused here.
     """
     num_kv_heads = k_cache.shape[1]
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
-    mass = torch.zeros(num_kv_heads, kv_indices.shape[-1], dtype=torch.float32, device=query.device)
     q_bounds, kv_bounds, scored = cu_seqlens_q.tolist(), kv_indptr.tolist(), num_scored_queries.tolist()
+    lengths = [end - start for start, end in itertools.pairwise(kv_bounds)]
+    width = max_kv_len if max_kv_len is not None else max(lengths, default=0)
+    mass = torch.zeros(num_kv_heads, len(lengths), width, dtype=torch.float32, device=query.device)
     for b in range(len(q_bounds) - 1):
         if scored[b] == 0:
             continue
@@ -188,7 +193,7 @@ def attention_mass(
         visible = _visible_mask(q_len, kv_len, None, query.device)[q_len - count :]
         row_lse = lse[q_end - count : q_end].reshape(count, num_kv_heads, group).permute(1, 2, 0)[..., None]
         probs = torch.exp(logits - row_lse).masked_fill(~visible, 0.0)
-        mass[:, kv_start:kv_end] = probs.mean(dim=(1, 2))
+        mass[:, b, :kv_len] = probs.mean(dim=(1, 2))
     return mass
 
 

@@ -130,7 +130,7 @@ class StepGraphs:
             step.graph.replay()
             logits = step.logits
         self._last = step
-        metadata.mass = step.metadata.mass  # real requests' entries sit where the dynamic lists put them
+        metadata.mass = step.metadata.mass  # verify j's row is the dynamic step's: real verifies come first
         return logits[: len(rows)]
 
     def _bucket(self, count: int) -> int:

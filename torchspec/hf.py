@@ -33,7 +33,7 @@ class KVView:
 
     kv_indptr: torch.Tensor  # [B + 1]
     kv_indices: torch.Tensor  # [N], or [num_kv_heads, N] for per-head lists
-    max_len: int = 0  # longest list (a launch hint for the kernels, known on the host)
+    max_len: int = 0  # longest list, or a bound on it (host-known): a launch hint, and the width of verify mass
 
 
 @dataclass
@@ -43,7 +43,8 @@ class AttentionMetadata:
     The first ``num_drafts`` requests are draft steps (one query token each): in full-attention layers they
     read their sparse per-KV-head lists ``draft[layer]``, the other requests read ``full``. Sliding-window
     layers read ``windowed[window]`` for every request. When ``num_scored_queries`` is set, full-attention
-    layers also record the attention mass of those requests' last queries in ``mass[layer]``.
+    layers also record the attention mass of those requests' last queries in ``mass[layer]`` (``[Hkv,
+    verifies, width]``, a row per request that reads ``full``, as ``ops.attention_mass`` returns it).
     """
 
     slot_mapping: torch.Tensor  # [T]: where each new token's K/V goes

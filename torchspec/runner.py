@@ -517,26 +517,30 @@ class Runner:
         return logits.float(), first_row
 
     def _learn_from_verify(self, plan: StepPlan, metadata: AttentionMetadata) -> None:
-        """Hand each verify's attention mass ``[layers, Hkv, context]`` (a view of one stacked tensor, on the
-        device) to the policy; list offsets and scored counts come from the plan, not from the device."""
+        """Hand the step's verify attention mass ``[layers, Hkv, verifies, width]`` (stacked on the device; each
+        verify's positions in its row) to the policy, with each learning verify's row and context; those and the
+        scored counts come from the plan, not from the device."""
         if self.policy is None:
             return
         full_items = plan.scheduled[metadata.num_drafts :]
         scored = self._scored_queries(full_items)
+        requests, rows, contexts, first_queries = [], [], [], []
+        for row, (item, count) in enumerate(zip(full_items, scored, strict=True)):
+            if item.samples and item.learns:
+                context = item.first_position + item.num_query_tokens
+                requests.append(item.request)
+                rows.append(row)
+                contexts.append(context)
+                first_queries.append(context - (count or item.num_query_tokens))
+        if not requests:
+            return
         stacked = None
         if any(scored) and self.policy.sparse_layers:
-            stacked = torch.stack([metadata.mass[layer] for layer in self.policy.sparse_layers])
-        requests, spans, first_queries = [], [], []
-        start = 0
-        for item, count in zip(full_items, scored, strict=True):
-            end = start + item.first_position + item.num_query_tokens
-            if item.samples and item.learns:
-                requests.append(item.request)
-                spans.append((start, end))
-                first_queries.append(item.first_position + item.num_query_tokens - (count or item.num_query_tokens))
-            start = end
-        if requests:
-            self.policy.on_verifies(requests, stacked, spans, first_queries)
+            # Cut to the longest context first: a graph's mass is as wide as any request may grow (W1: 8.4K
+            # positions at every context), and the stack copies what it is given.
+            width = max(contexts)
+            stacked = torch.stack([metadata.mass[layer][..., :width] for layer in self.policy.sparse_layers])
+        self.policy.on_verifies(requests, stacked, rows, contexts, first_queries)
 
     def _pick(
         self, plan: StepPlan, logits: torch.Tensor, first_row: list[int], drafted: torch.Tensor | None = None

@@ -479,8 +479,10 @@ def test_fused_list_sets_split_on_their_own(num_splits):
 
 @pytest.mark.parametrize("gqa_ratio", [1, 3, 4, 8])
 def test_attention_mass_is_the_mean_softmax_of_the_scored_queries(gqa_ratio):
-    """Verify scores: per (KV head, list entry) the softmax probability averaged over the last ``num_scored``
-    queries of each request and its group's query heads, from dense softmax; unscored requests stay 0."""
+    """Verify scores: per (KV head, request, list entry) the softmax probability averaged over the last
+    ``num_scored`` queries of the request and its group's query heads, from dense softmax, in the request's row
+    of a ``[Hkv, requests, width]`` tensor; unscored requests and entries past a list stay 0. The width is the
+    longest list, or the ``max_kv_len`` given (a graph's fixed bound)."""
     lens = [(9, 70), (1, 20), (9, 9), (5, 130)]
     scored = torch.tensor([9, 0, 4, 2])
     batch = _Batch(lens, 2 * gqa_ratio, 2, 64, seed=gqa_ratio)
@@ -488,7 +490,7 @@ def test_attention_mass_is_the_mean_softmax_of_the_scored_queries(gqa_ratio):
     _, lse = reference.paged_attention(
         batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, indptr, indices, batch.scale
     )
-    expected = torch.zeros(2, int(indptr[-1]))
+    expected = torch.zeros(2, len(lens), 160)
     for b, (q_len, kv_len) in enumerate(lens):
         count = int(scored[b])
         if count == 0:
@@ -497,10 +499,14 @@ def test_attention_mass_is_the_mean_softmax_of_the_scored_queries(gqa_ratio):
         logits = torch.einsum("qhd,hld->hql", batch.queries[b][q_len - count :], k) * batch.scale
         mask = _position_mask(q_len, kv_len)[q_len - count :]
         probs = logits.masked_fill(~mask, -math.inf).softmax(dim=-1)  # [H, count, L]
-        expected[:, indptr[b] : indptr[b + 1]] = probs.reshape(2, gqa_ratio, count, kv_len).mean(dim=(1, 2))
+        expected[:, b, :kv_len] = probs.reshape(2, gqa_ratio, count, kv_len).mean(dim=(1, 2))
+    inputs = (batch.query, batch.k_cache, batch.cu_seqlens_q, indptr, indices, lse, batch.scale, scored)
     for name, (_, mass_fn) in IMPLEMENTATIONS.items():
-        mass = mass_fn(batch.query, batch.k_cache, batch.cu_seqlens_q, indptr, indices, lse, batch.scale, scored)
-        torch.testing.assert_close(mass, expected, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        for width in (None, 160):
+            mass = mass_fn(*inputs, max_kv_len=width)
+            torch.testing.assert_close(
+                mass, expected[..., : width or 130], atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])

@@ -690,10 +690,12 @@ def test_pillar_pattern_is_top_k_of_the_verify_mass(spec, monkeypatch):
     events: list[Any] = []
     on_verifies, draft_positions = policy.on_verifies, policy.draft_positions
 
-    def spy_verifies(requests: list[Request], mass: torch.Tensor, spans: list, first_queries: list[int]) -> None:
-        on_verifies(requests, mass, spans, first_queries)  # one batched Top-K for the step's verifies
-        for request, (start, end), first_query in zip(requests, spans, first_queries, strict=True):
-            state, request_mass = request.round, list(mass[..., start:end])
+    def spy_verifies(
+        requests: list[Request], mass: torch.Tensor, rows: list[int], contexts: list[int], first_queries: list[int]
+    ) -> None:
+        on_verifies(requests, mass, rows, contexts, first_queries)  # one batched Top-K for the step's verifies
+        for request, row, context, first_query in zip(requests, rows, contexts, first_queries, strict=True):
+            state, request_mass = request.round, list(mass[..., row, :context])
             events.append(
                 PillarVerify(request.request_id, request_mass, first_query, state.pattern, state.recent_start)
             )
@@ -1081,24 +1083,25 @@ def test_smollm2_reasoning_is_lossless(smollm2, smollm2_reasoning, policy, monke
 
 @pytest.mark.parametrize("draft", ["pillar", "pillar_recent", "pillar_quest"])
 def test_pillar_batched_verifies_equal_one_by_one(draft):
-    """The runner hands a step's verifies to the policy at once (one padded Top-K): every request's pattern and
-    recent start equal what ``on_verify`` alone gives it, across contexts that need picks, contexts the budget
-    covers, and a chunk boundary of the batched scores."""
+    """The runner hands a step's verifies to the policy at once (one padded Top-K over their rows of the step's
+    mass): every request's pattern and recent start equal what ``on_verify`` alone gives it, across contexts that
+    need picks, contexts the budget covers, a chunk boundary of the batched scores, and rows that are all the
+    step's verifies (a view) or some of them out of order (a gather)."""
     policy = POLICIES[draft](SpecConfig(draft=draft, k=4, min_budget=16, sparsity=0.05), _layer_specs([None, 8, None]))
     generator = torch.Generator().manual_seed(0)
     contexts = [700, 12, 333, 95, 1500, 64]
-    mass = torch.rand(len(policy.sparse_layers), 2, sum(contexts), generator=generator)
-    spans = list(itertools.pairwise(itertools.accumulate(contexts, initial=0)))
+    mass = torch.rand(len(policy.sparse_layers), 2, 8, 1600, generator=generator)  # 8 verifies' rows, padded
     first_queries = [context - 5 for context in contexts]
-    alone = [_request(context) for context in contexts]
-    for request, (start, end), first_query in zip(alone, spans, first_queries, strict=True):
-        policy.on_verify(request, mass[..., start:end], first_query)
-    for max_elements in (1 << 26, 2 * 2 * 1500):  # one batch; one request per chunk
-        batched = [_request(context) for context in contexts]
-        with unittest.mock.patch.object(pillar, "MAX_SCORE_ELEMENTS", max_elements):
-            policy.on_verifies(batched, mass, spans, first_queries)
-        for one, many in zip(alone, batched, strict=True):
-            assert one.round.recent_start == many.round.recent_start
-            assert torch.equal(one.round.pattern, many.round.pattern)
+    for rows in (list(range(6)), [7, 0, 3, 5, 1, 4]):
+        alone = [_request(context) for context in contexts]
+        for request, row, context, first_query in zip(alone, rows, contexts, first_queries, strict=True):
+            policy.on_verify(request, mass[..., row, :context], first_query)
+        for max_elements in (1 << 26, 2 * 2 * 1500):  # one batch; one request per chunk
+            batched = [_request(context) for context in contexts]
+            with unittest.mock.patch.object(pillar, "MAX_SCORE_ELEMENTS", max_elements):
+                policy.on_verifies(batched, mass, rows, contexts, first_queries)
+            for one, many in zip(alone, batched, strict=True):
+                assert one.round.recent_start == many.round.recent_start
+                assert torch.equal(one.round.pattern, many.round.pattern)
     assert any(request.round.pattern.dim() == 3 for request in alone), "no context needed picks"
     assert any(request.round.pattern.dim() == 1 for request in alone), "no context was covered by the budget"

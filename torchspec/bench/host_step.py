@@ -128,7 +128,7 @@ def measure(
     # cost ~4 ms of a 16 ms pillar_recent step, time the engine's host does not spend (on a GPU: the replay).
     draw = {  # a bank of `length` along its sliced dimension
         "logits": lambda length: torch.randn(length, VOCAB_SIZE, generator=generator),
-        "masses": lambda length: torch.rand(len(sparse_layers), 2, length, generator=generator),
+        "masses": lambda length: torch.rand(len(sparse_layers), 2, length, generator=generator),  # flat, cut below
     }
     banks: dict[str, torch.Tensor] = {}
 
@@ -141,7 +141,8 @@ def measure(
     def random_forward(step):
         static = step.metadata
         if static.num_scored_queries is not None:
-            masses = bank_slice("masses", 2, static.full.kv_indices.shape[-1]).unbind(0)
+            verifies, width = static.full.kv_indptr.shape[0] - 1, static.full.max_len
+            masses = bank_slice("masses", 2, verifies * width).unflatten(2, (verifies, width)).unbind(0)
             static.mass = dict(zip(sparse_layers, masses, strict=True))
         return bank_slice("logits", 0, step.input_ids.shape[1])
 

@@ -102,12 +102,13 @@ class DraftPolicy:
         self,
         requests: Sequence[Request],
         mass: torch.Tensor | None,
-        spans: Sequence[tuple[int, int]],
+        rows: Sequence[int],
+        contexts: Sequence[int],
         first_query_positions: Sequence[int],
     ) -> None:
         """``on_verify`` for all verifies of a step at once (what the runner calls): request j's mass is
-        ``mass[..., start:end]`` for ``(start, end) = spans[j]``, entries of one ``[layers, Hkv, entries]``
-        tensor. One call per step lets a policy batch its device work (PillarAttn: one Top-K per step, not one
-        per request)."""
-        for request, (start, end), first_query in zip(requests, spans, first_query_positions, strict=True):
-            self.on_verify(request, None if mass is None else mass[..., start:end], first_query)
+        ``mass[..., rows[j], :contexts[j]]`` of one ``[layers, Hkv, verifies, width]`` tensor (each verify's
+        positions in its own row, as the mass kernel writes them). One call per step lets a policy batch its
+        device work (PillarAttn: one Top-K per step, not one per request)."""
+        for request, row, context, first_query in zip(requests, rows, contexts, first_query_positions, strict=True):
+            self.on_verify(request, None if mass is None else mass[..., row, :context], first_query)

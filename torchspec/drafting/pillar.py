@@ -11,7 +11,7 @@ from torchspec.config import SpecConfig
 from torchspec.drafting.base import DraftPolicy
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
-from torchspec.transfer import to_device
+from torchspec.transfer import row_index, to_device
 
 MAX_SCORE_ELEMENTS = 1 << 26  # padded candidate scores of one batched Top-K (256 MiB of fp32); larger: chunks
 
@@ -48,23 +48,26 @@ class PillarPolicy(DraftPolicy):
 
     def on_verify(self, request: Request, mass: torch.Tensor | None, first_query_position: int) -> None:
         context = mass.shape[-1] if mass is not None else first_query_position
-        self.on_verifies([request], mass, [(0, context)], [first_query_position])
+        as_row = None if mass is None else mass[..., None, :]  # [layers, Hkv, 1 verify, context]
+        self.on_verifies([request], as_row, [0], [context], [first_query_position])
 
     def on_verifies(
         self,
         requests: Sequence[Request],
         mass: torch.Tensor | None,
-        spans: Sequence[tuple[int, int]],
+        rows: Sequence[int],
+        contexts: Sequence[int],
         first_query_positions: Sequence[int],
     ) -> None:
-        """Every request's pattern from one Top-K over the step's verifies (padded to the longest candidate
-        run), so the device work per step does not grow with the number of verifies."""
-        covered, picked = [], []  # (request, older); (request, first entry, sinks, older, picks to make)
-        for request, (start, end), first_query in zip(requests, spans, first_query_positions, strict=True):
+        """Every request's pattern from one Top-K over the step's verifies (their rows of the mass, cut to the
+        longest candidate run), so the device work per step does not grow with the number of verifies."""
+        covered, picked = [], []  # (request, older); (request, mass row, sinks, older, picks to make)
+        for request, row, context, first_query in zip(requests, rows, contexts, first_query_positions, strict=True):
             # Positions before the verify's queries and the recent window compete for the rest of the budget.
             # The window takes at most half the budget (small budgets keep room for Top-K picks) and shrinks
             # when the budget cannot hold it next to the verify's queries.
-            context = end - start if mass is not None else first_query
+            if mass is None:  # no layer drafts sparsely: nothing was scored, the verify's queries bound it
+                context = first_query
             budget = self.budget(context)
             window = min(self.window, budget // 2, max(0, budget - (context - first_query)))
             older = max(0, first_query - window)
@@ -76,7 +79,7 @@ class PillarPolicy(DraftPolicy):
                 continue
             share = int(num_selected * self.verify_share)
             count = max(1, share // (self.successors + 1)) if share else 0
-            picked.append((request, start, sinks, older, count))
+            picked.append((request, row, sinks, older, count))
         device = mass.device if mass is not None else None
         if covered:
             everything = torch.arange(max(older for _, older in covered), device=device)
@@ -91,23 +94,24 @@ class PillarPolicy(DraftPolicy):
     def _select_patterns(self, mass: torch.Tensor, picked: list[tuple[Request, int, int, int, int]]) -> None:
         """Top-K of each request's candidates (positions ``sinks .. older - 1``), as its sorted pattern."""
         device = mass.device
-        requests, bounds, sinks, older, counts = zip(*picked, strict=True)
+        requests, rows, sinks, older, counts = zip(*picked, strict=True)
         span = self.successors + 1
         if self.config.head_budgets:  # per request: its own Top-K over all heads of a layer
-            for request, bound, sink, old, count in picked:
-                picks = _head_budget_picks(mass[..., bound + sink : bound + old], count)
+            for request, row, sink, old, count in picked:
+                picks = _head_budget_picks(mass[..., row, sink:old], count)
                 self._store(request, _expand_successors(torch.where(picks >= 0, picks + sink, -1), span, old), sink)
             return
-        meta = to_device([bounds, sinks, older, counts], device)
-        bound, sink, old, count = (column[:, None] for column in meta)  # [J, 1]
-        width = max(o - s for o, s in zip(older, sinks, strict=True))
-        offsets = torch.arange(width, device=device)
-        valid = offsets < old - sink  # [J, width]
-        scores = mass[..., torch.where(valid, bound + sink + offsets, 0)]  # [layers, Hkv, J, width]
-        scores = scores.masked_fill(~valid, float("-inf"))
+        meta = to_device([sinks, older, counts], device)
+        sink, old, count = (column[:, None] for column in meta)  # [J, 1]
+        positions = torch.arange(max(older), device=device)
+        candidate = (positions >= sink) & (positions < old)  # [J, width]
+        # The requests' rows, cut to the longest candidate run: a view when they are consecutive (every verify
+        # of the step learns), else one gather; then the non-candidates masked.
+        scores = mass[:, :, row_index(list(rows), device), : positions.shape[0]]  # [layers, Hkv, J, width]
+        scores = scores.masked_fill(~candidate, float("-inf"))
         ranks = torch.arange(max(counts), device=device)
         picks = scores.topk(max(counts), dim=-1).indices.permute(2, 0, 1, 3)  # [J, layers, Hkv, max count]
-        picks = torch.where(ranks < count[:, :, None, None], picks + sink[:, :, None, None], -1)
+        picks = torch.where(ranks < count[:, :, None, None], picks, -1)
         patterns = _expand_successors(picks, span, old[:, :, None, None])  # -1 padding sorts first
         # Each request's rows trimmed to its own Top-K: one slice and one unbind per distinct width (a batch's
         # requests share a few), not a view per request (256 of a round's ~640 host ops at batch 256).

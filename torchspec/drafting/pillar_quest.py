@@ -40,10 +40,11 @@ class PillarQuestPolicy(PillarPolicy):
         self,
         requests: Sequence[Request],
         mass: torch.Tensor | None,
-        spans: Sequence[tuple[int, int]],
+        rows: Sequence[int],
+        contexts: Sequence[int],
         first_query_positions: Sequence[int],
     ) -> None:
-        super().on_verifies(requests, mass, spans, first_query_positions)
+        super().on_verifies(requests, mass, rows, contexts, first_query_positions)
         for request in requests:
             request.round.selections = {}  # the next round's first draft chooses its pages afresh
 
