@@ -180,6 +180,8 @@ def attention_mass(
     q_bounds, kv_bounds, scored = cu_seqlens_q.tolist(), kv_indptr.tolist(), num_scored_queries.tolist()
     lengths = [end - start for start, end in itertools.pairwise(kv_bounds)]
     width = max_kv_len if max_kv_len is not None else max(lengths, default=0)
+    if max(lengths, default=0) > width:  # the Triton kernel would write past its row (it cannot check)
+        raise ValueError(f"max_kv_len={width} is shorter than the longest list ({max(lengths)} entries)")
     mass = torch.zeros(num_kv_heads, len(lengths), width, dtype=torch.float32, device=query.device)
     for b in range(len(q_bounds) - 1):
         if scored[b] == 0:

@@ -105,14 +105,20 @@ class StepGraphs:
         """The logits of ``rows`` (token indices of the dynamic packing), from the step's bucket graph, replayed
         (captured on first use, and again when the slot lists outgrow the buffers). Fills ``metadata.mass``
         with the bucket's verify scores. ``max_list_len`` bounds the running requests' full lists over their
-        whole generation (a launch hint)."""
+        whole generation: a launch hint, and the width of the verify mass (a request whose list outgrows the
+        bucket's bound, one admitted later with a longer budget, captures the bucket again)."""
         num_drafts = metadata.num_drafts
         num_verifies = metadata.full.kv_indptr.shape[0] - 1
         key = (self._bucket(num_drafts), self._bucket(num_verifies))
         draft_count = metadata.draft[self.first_sparse].kv_indices.shape[-1] if num_drafts else 0
         full_count = metadata.full.kv_indices.shape[-1]
         step = self._steps.get(key)
-        if step is None or draft_count > step.draft_capacity or full_count > step.full_capacity:
+        if (
+            step is None
+            or draft_count > step.draft_capacity
+            or full_count > step.full_capacity
+            or metadata.full.max_len > step.metadata.full.max_len
+        ):
             draft_hint = metadata.draft[self.first_sparse].max_len if num_drafts else 0
             step = self._steps[key] = self._static_step(
                 *key,
