@@ -187,8 +187,10 @@ class Engine:
                         now = time.perf_counter()
                         since = started if launched is None else last_commit
                         if since is not None:
-                            span = in_flight.drafts_span
-                            scheduler.observe_step(in_flight.plan, 1e3 * (now - since), span.ms() if span else None)
+                            span, forwards = in_flight.drafts_span, in_flight.draft_forwards
+                            scheduler.observe_step(
+                                in_flight.plan, 1e3 * (now - since), span.ms() if span else None, forwards
+                            )
                         last_commit = now
                         yield committed
                     in_flight = launched

@@ -274,7 +274,8 @@ class Runner:
         self._learn_from_verify(plan, metadata)
         picks = self._pick(plan, logits, first_row)
         chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
-        chain += self._later_drafts(drafts, chain[0], logits.shape[-1])
+        later, later_forwards = self._later_drafts(drafts, chain[0], logits.shape[-1])
+        chain += later
         if drafts_span is not None:
             drafts_span.stop()
         if self.feeds_next_step:
@@ -289,6 +290,7 @@ class Runner:
             verify=None if verify is None else _Pass(verify[0], verify[1].sampled_rows),
             part_sizes=[part.shape[0] for part in parts],
             num_chain_forwards=len(chain) - 1,
+            draft_forwards=1 + later_forwards if drafts else 0,
             readback=_Readback(torch.cat(parts)),
             entropies=None if picks.entropies is None else _Readback(picks.entropies),
             drafts_span=drafts_span,
@@ -348,15 +350,16 @@ class Runner:
 
     def _later_drafts(
         self, drafts: Sequence[ScheduledRequest], first: torch.Tensor, vocab_size: int
-    ) -> list[torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], int]:
         """The tokens of the later forwards of the step's draft chains (forward j holds the drafts whose chain
         is longer than j: a prefix, as drafts are sorted longest chain first), each forward fed the previous
         one's tokens on the device. Their slots and draft lists are built together (one slot-table write and
         one list build for all forwards); then one chain-graph replay runs them all where it can, else one
-        forward per draft."""
+        forward per draft. Also returns how many forwards ran: a chain graph runs all k - 1, however short the
+        chains."""
         longest = max((item.chain for item in drafts), default=1)
         if longest == 1:
-            return []
+            return [], 0
         # Forward j (1 .. longest - 1) holds the drafts whose chain is longer than j: a prefix of them. Its
         # entries, forward after forward: each such draft at its first position + j.
         chains = np.fromiter((item.chain for item in drafts), np.int64, len(drafts))
@@ -380,14 +383,14 @@ class Runner:
             self.draft_probs.reserve(self.max_batch_size + 1, vocab_size)  # a fixed store the graph writes
             inputs = self._chain_inputs(drafts, draft_rows, counts, first, layout, lists, offsets)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
-            return [tokens[j, :count] for j, count in enumerate(counts)]
+            return [tokens[j, :count] for j, count in enumerate(counts)], self.num_draft_slots - 1
         plans = [StepPlan([item.advanced(j) for item in drafts[:count]]) for j, count in enumerate(counts, start=1)]
         chain = [first]
         for later, position_ids, metadata in self._chain_metadata(drafts, plans, layout, lists, offsets):
             input_ids = chain[-1][None, : len(later.scheduled)]
             logits, rows = self._forward(later, input_ids, position_ids, metadata)
             chain.append(self._pick(later, logits, rows).tokens)
-        return chain[1:]
+        return chain[1:], len(chain) - 1
 
     def _chain_graph_runs(self, drafts: Sequence[ScheduledRequest], rows: Sequence[int]) -> bool:
         """Whether this step's chains replay from the chain graph: sampling by temperature alone, and every
@@ -742,6 +745,7 @@ class LaunchedStep:
     verify: _Pass | None  # the verify forward of the rounds drafted in this step, in draft order
     part_sizes: list[int]  # lengths of the read-back's parts (see ``Runner.collect``)
     num_chain_forwards: int  # later forwards of the step's draft chains
+    draft_forwards: int  # draft forwards the device ran (a chain graph runs every forward a round can have)
     readback: _Readback
     entropies: _Readback | None  # draft rows' entropies, for policies that steer by them
     drafts_span: _Span | None  # from the step's start to the end of its draft forwards (None: no drafts)

@@ -75,6 +75,36 @@ def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
         assert runner.chain_graphs._steps, "no draft chain ran through the chain graph"
 
 
+def test_a_chain_graph_step_reports_every_draft_forward_it_ran(monkeypatch):
+    """A chain graph runs all k - 1 later forwards whatever the round's length, so its step reports k draft
+    forwards, and adaptive rounds price a short round as the full one it costs (round_length.py); a step of
+    per-forward drafts reports its round's length."""
+    spec, batch = tiny_spec("llama", 2), Batch((9, 30, 17), seed=3)
+    wrapped = sparsespec.wrap(spec.build(), draft="pillar_recent", cuda_graphs=True, **OPTIONS)
+    runner = wrapped.engine.runner
+    replays, steps = [], []
+    tokens, launch = runner.chain_graphs.tokens, runner.launch
+
+    def count_replays(*args, **kwargs):
+        replays.append(True)
+        return tokens(*args, **kwargs)
+
+    def record(plan):
+        before = len(replays)
+        step = launch(plan)
+        steps.append((plan.round_length, step.draft_forwards, len(replays) > before))
+        return step
+
+    monkeypatch.setattr(runner.chain_graphs, "tokens", count_replays)
+    monkeypatch.setattr(runner, "launch", record)
+    wrapped.generate(**batch.kwargs(), max_new_tokens=23, do_sample=False)
+    k = OPTIONS["k"]
+    graphed = [(length, forwards) for length, forwards, replayed in steps if replayed]
+    assert graphed and all(forwards == k for _, forwards in graphed), steps
+    assert any(length < k for length, _ in graphed), f"no short round ran through the chain graph: {steps}"
+    assert all(forwards == length for length, forwards, replayed in steps if not replayed), steps
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("draft", [None, "pillar_recent"])
 def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft):
