@@ -113,9 +113,12 @@ def measure(
     temperature: float,
     draft_chain: bool | None = None,
     seed: int = 0,
+    top_k: int = 50,
 ) -> dict:
     """Median host time of a full-batch decoding step of ``batch`` requests (forward replaced), and the host
-    time per token those steps emitted (a chained step drafts a whole round: longer, and fewer of them)."""
+    time per token those steps emitted (a chained step drafts a whole round: longer, and fewer of them).
+    ``top_k``: sampling's top-k, W1's by default (transformers' 50, which ``generate_batch`` applies; on main
+    it keeps a round's draft token selection out of the chain graph, so it changes what a step runs)."""
     model = _tiny_model(seed)
     wrapped = sparsespec.wrap(
         model, draft=draft, max_batch_size=batch, cuda_graphs=True, min_budget=16, draft_chain=draft_chain
@@ -159,7 +162,11 @@ def measure(
             if owners[owner] is not None:
                 counter.attribute(owners[owner], name, label)
     params = SamplingParams(
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=temperature > 0, temperature=temperature or 1.0
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature or 1.0,
+        top_k=top_k,
     )
     requests = [
         engine.new_request(i, torch.randint(VOCAB_SIZE, (prompt_len,), generator=generator).tolist(), params)
@@ -198,6 +205,7 @@ def measure(
         "batch": batch,
         "steps_timed": len(step_times),
         "draft_chain": engine.draft_chain,
+        "top_k": top_k,
         "host_ms_per_step": 1e3 * statistics.median(step_times),
         "host_us_per_token": 1e6 * sum(step_times) / max(sum(step_tokens), 1),
         # Tensor ops the host dispatches (each a launch or more on a GPU), the replays' stand-ins left out.
@@ -220,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.65)
+    parser.add_argument("--top-k", type=int, default=50, help="sampling's top-k (W1: transformers' default 50)")
     parser.add_argument("--drafts", nargs="+", default=["none", "pillar_recent"], choices=["none", *DRAFT_POLICIES])
     parser.add_argument(
         "--draft-chain", nargs="+", default=["auto"], choices=list(CHAIN_SETTINGS), help="draft_chain settings to run"
@@ -236,9 +245,11 @@ def main(argv: list[str] | None = None) -> None:
             None if draft == "none" else draft,
             args.temperature,
             CHAIN_SETTINGS[chain],
+            top_k=args.top_k,
         )
         print(
-            f"draft={draft} draft_chain={record['draft_chain']}: {record['host_ms_per_step']:.2f} ms of host time "
+            f"draft={draft} draft_chain={record['draft_chain']} top_k={args.top_k}: "
+            f"{record['host_ms_per_step']:.2f} ms of host time "
             f"and {record['ops_per_step']:.0f} tensor ops per step, {record['host_us_per_token']:.0f} us per "
             f"token, at batch {args.batch}; ops by part: "
             + ", ".join(f"{part} {count:.0f}" for part, count in record["ops_by_part"].items())
