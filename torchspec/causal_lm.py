@@ -52,7 +52,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
         self._tokenizer_searched = tokenizer is not None
         self.layers = probe_attention_layers(model)
         # Refuse a bad pairing now, not at first use.
-        draft_chain = use_draft_chain(config.draft_chain, POLICIES.get(config.draft))
+        draft_chain = use_draft_chain(config.draft_chain, POLICIES.get(config.draft), config.unified_schedule)
         use_adaptive_rounds(config.adaptive_rounds, draft_chain, self.device)
         self.last_stats = GenerationStats()
         self._engine: Engine | None = None

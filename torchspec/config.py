@@ -57,10 +57,14 @@ class SpecConfig:
             next round is placed from its accepted count, so the decoding requests alternate in two halves: one
             half's rounds run while the host reads back and plans the other's. ``None`` = on without speculation
             only: on W1 (H200, 256 requests) the halves ran at 0.86x the synchronous loop (docs/performance.md).
-        unified_schedule: drafts and verifies of different requests may share a step's batch and attention
-            launch (the only schedule: ``False`` is refused). With draft chains every step runs each decoding
-            request's whole round, so requests stay in phase; without, requests prefilled in the same step stay
-            in phase and the others mix.
+        unified_schedule: the paper's unified phase buckets: each request's first round is cut short so that
+            the decoding requests' rounds are spread over the k + 1 phases of a round, and every step (one
+            forward, one draft token per request) holds about 1 / (k + 1) of them verifying and the rest
+            drafting: one steady batch shape instead of k draft forwards and then one verify forward of the whole
+            batch. Rounds drafted one forward per step: ``draft_chain=True`` is refused with it, and
+            ``draft_chain=None`` turns chains off. ``False`` (the default until it is measured on W1:
+            ``bench.throughput --drafts pillar_recent+unified_schedule``): requests keep the phase they reach;
+            with draft chains every step runs each decoding request's whole round, all of them in phase.
         compile: ``torch.compile`` the model forward (attention stays one opaque custom op per layer);
             ``None`` = off. An earlier tree measured it at 1.14x (plain) and 1.36x (speculation) on W1, but on
             this tree's first H200 run plain decoding with it took 41.6 ms per step against 12.5 without
@@ -108,7 +112,7 @@ class SpecConfig:
     max_step_tokens: int | None = None
     offload: bool = False
     delayed_verify: bool | None = None
-    unified_schedule: bool = True
+    unified_schedule: bool = False
     compile: bool | None = None
     cuda_graphs: bool | None = None
     draft_chain: bool | None = None
@@ -152,11 +156,6 @@ class SpecConfig:
         for name in ("compile", "cuda_graphs", "draft_chain", "adaptive_rounds", "delayed_verify", "fuse_layers"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")
         _require(not self.offload, "offload=True is not available in this release; leave it at its default")
-        _require(
-            self.unified_schedule,
-            "unified_schedule=False is not available in this release (drafts and verifies always share a step); "
-            "leave it at its default",
-        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> SpecConfig:

@@ -36,19 +36,29 @@ def use_cuda_graphs(setting: bool | None, device: torch.device, ops: object) -> 
     return device.type == "cuda" and capturable if setting is None else setting
 
 
-def use_draft_chain(setting: bool | None, policy: DraftPolicy | type[DraftPolicy] | None) -> bool:
+def use_draft_chain(
+    setting: bool | None, policy: DraftPolicy | type[DraftPolicy] | None, unified_schedule: bool = False
+) -> bool:
     """Whether a request drafts its whole round in one step: ``None`` = wherever the policy (or its class)
-    allows it: it has draft steps, and does not decide between them whether to go on."""
+    allows it (it has draft steps, and does not decide between them whether to go on) and the schedule does
+    (the unified schedule staggers rounds one forward per step)."""
     if policy is None or policy.proposes_tokens:
         return False
     if policy.uses_draft_entropy:
-        if setting:
-            raise ValueError(
-                f"draft_chain=True cannot run draft={policy.name!r}: it decides after each draft, from that "
-                "draft's entropy on the host, whether to draft another; use draft_chain=None or False"
-            )
-        return False
-    return setting is None or setting
+        conflict = (
+            f"draft={policy.name!r}: it decides after each draft, from that draft's entropy on the host, whether "
+            "to draft another; use draft_chain=None or False"
+        )
+    elif unified_schedule:
+        conflict = (
+            "unified_schedule=True: it staggers the requests' rounds over their phases, one forward per step, "
+            "where a chain runs a whole round in one step; use draft_chain=None or False, or unified_schedule=False"
+        )
+    else:
+        return setting is None or setting
+    if setting:
+        raise ValueError(f"draft_chain=True cannot run with {conflict}")
+    return False
 
 
 def use_adaptive_rounds(setting: bool | None, draft_chain: bool, device: torch.device) -> bool:
@@ -109,7 +119,7 @@ class Engine:
             # Only plain decoding runs a request in the step after its own (speculation staggers instead).
             feeds_next_step=self.delayed_verify and self.policy is None,
         )
-        self.draft_chain = use_draft_chain(config.draft_chain, self.policy)
+        self.draft_chain = use_draft_chain(config.draft_chain, self.policy, config.unified_schedule)
         self.adaptive_rounds = use_adaptive_rounds(config.adaptive_rounds, self.draft_chain, self.device)
         self._run_start = time.perf_counter()
         self._run_steps = 0
@@ -159,6 +169,7 @@ class Engine:
             self.draft_chain,
             self.adaptive_rounds,
             stagger=self.delayed_verify and self.policy is not None,
+            unified=self.config.unified_schedule,
         )
         for request in requests:
             if request.is_finished:

@@ -22,6 +22,12 @@ engine launches the other half's step while this one runs. The host then reads b
 while the GPU runs the other's rounds, instead of the GPU idling while the host works (the paper's delayed
 verification over two phase buckets).
 
+Unified schedule (``unified``, the paper's phase buckets, one draft per step): a request's first round is cut so
+that its verify lands in the step ahead with the fewest verifies; every later round takes k + 1 steps, so the
+batch's verifies stay spread over a round's phases and each step is one forward of about B / (k + 1) verifies,
+the rest drafting: one steady shape, where requests left in phase make k draft forwards and then one verify
+forward of the whole batch.
+
 Admission reserves a request's worst-case KV need (prompt + max_new_tokens + k draft slots), so a running
 request never runs out of slots and nothing is evicted or recomputed: requests that do not fit wait.
 """
@@ -149,9 +155,14 @@ class Scheduler:
         draft_chain: bool = False,
         adaptive_rounds: bool = False,
         stagger: bool = False,
+        unified: bool = False,
     ) -> None:
         self.allocator = allocator
         self.stagger = stagger  # each step starts at most half of the decoding requests' rounds
+        # Unified phase buckets: a request's first round is cut so that verifies spread over a round's k + 1 steps.
+        self.unified = unified and policy is not None
+        self._phased: set[int] = set()  # id() of the decoding requests whose first round was placed so
+        self._verifies_ahead: list[int] = []  # verifies in each of the next k + 1 steps (0: this one)
         self.draft_chain = draft_chain  # a request runs its whole round (drafts, verify) in one step
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens
@@ -181,6 +192,8 @@ class Scheduler:
             starting = [r.spec_stats for r in self.running if r.decoding and r.round.length is None]
             self._length = 0 if self._filling() else self.round_length.choose(starting)
         pending = {id(item.request): item for item in in_flight.scheduled} if in_flight is not None else {}
+        if self.unified:
+            self._verifies_ahead = self._count_verifies_ahead()
         decoding: list[tuple[Request, ScheduledRequest]] = []
         prefilling: list[tuple[Request, None, int]] = []  # no step yet: its chunk is sized below, ``ahead`` on
         starts = self._max_starts()
@@ -266,9 +279,15 @@ class Scheduler:
         return ScheduledRequest(request, Phase.VERIFY, 1 + len(current.tokens), learns=learns)
 
     def _start_round(self, request: Request) -> None:
-        """Choose this round's drafts: the step's round length, and never more than the tokens still allowed."""
+        """Choose this round's drafts: the step's round length, and never more than the tokens still allowed;
+        under the unified schedule a request's first round ends in the step ahead with the fewest verifies."""
         current = request.round
         length = min(self._length, request.remaining_tokens - 1)
+        if self.unified and id(request) not in self._phased:
+            self._phased.add(id(request))
+            phase = min(range(self.k + 1), key=self._verifies_ahead.__getitem__)
+            self._verifies_ahead[phase] += 1
+            length = min(length, phase)
         if self.policy is None or length <= 0 or not self.policy.ready(request):
             current.length = 0
         elif self.policy.proposes_tokens:
@@ -276,6 +295,21 @@ class Scheduler:
             current.length = len(current.tokens)
         else:
             current.length = length
+
+    def _count_verifies_ahead(self) -> list[int]:
+        """Verifies of the placed decoding requests in each of the next k + 1 steps (0: this one): a round in
+        progress verifies once its drafts are made; one starting now, after k drafts (or the tokens allowed)."""
+        counts = [0] * (self.k + 1)
+        for request in self.running:
+            if id(request) not in self._phased:
+                continue
+            current = request.round
+            if current.length is None:
+                steps = min(self.k, request.remaining_tokens - 1)
+            else:
+                steps = current.length - len(current.tokens)
+            counts[max(0, min(steps, self.k))] += 1
+        return counts
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
@@ -355,6 +389,7 @@ class Scheduler:
         """End a running request at once and give its slots and reservation back."""
         request.finish(reason)
         self.running.remove(request)
+        self._phased.discard(id(request))
         self.allocator.free(request.slots)
         request.slots = []
         self._reserved_slots -= self.reservation(request)

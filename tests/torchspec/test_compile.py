@@ -34,5 +34,3 @@ def test_compiled_forward_matches_eager_with_speculation():
 def test_features_not_in_this_release_are_refused_by_name():
     with pytest.raises(ValueError, match="offload=True is not available in this release"):
         sparsespec.wrap(tiny_spec("llama", 2).build(), offload=True)
-    with pytest.raises(ValueError, match="unified_schedule=False is not available in this release"):
-        sparsespec.wrap(tiny_spec("llama", 2).build(), unified_schedule=False)

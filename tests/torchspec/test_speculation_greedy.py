@@ -511,7 +511,7 @@ def test_draft_chain_is_refused_for_a_policy_that_decides_between_drafts(tiny_mo
     """sparsespec_l ends a round by each draft's entropy, read on the host after every draft step: it runs one
     draft per step by default, and ``draft_chain=True`` names why it cannot."""
     assert not sparsespec.wrap(tiny_model, draft="sparsespec_l").engine.draft_chain
-    with pytest.raises(ValueError, match=r"draft_chain=True cannot run draft='sparsespec_l': it decides after"):
+    with pytest.raises(ValueError, match=r"draft_chain=True cannot run with draft='sparsespec_l': it decides after"):
         sparsespec.wrap(tiny_model, draft="sparsespec_l", draft_chain=True)
 
 

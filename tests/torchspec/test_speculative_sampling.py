@@ -323,14 +323,17 @@ def _wrap(
     draft_chain: bool | None = None,
     delayed_verify: bool | None = None,
     cuda_graphs: bool | None = None,
+    unified_schedule: bool = False,
 ):
-    """A fresh model wrapped so all samples are one batch: prefill in one step, decode in lockstep."""
+    """A fresh model wrapped so all samples are one batch: prefill in one step, decode in lockstep (or, with
+    ``unified_schedule``, their rounds spread over the phases)."""
     return sparsespec.wrap(
         SPEC.build(),
         draft=draft,
         draft_chain=draft_chain,
         delayed_verify=delayed_verify,
         cuda_graphs=cuda_graphs,
+        unified_schedule=unified_schedule,
         k=K,
         min_budget=4,  # pillar drafts attend to 1 Top-K position + those since the verify: far from the target
         sparsity=0.05,
@@ -356,6 +359,7 @@ def sampled_tokens(
     draft_chain: bool | None = None,
     delayed_verify: bool | None = None,
     cuda_graphs: bool | None = None,
+    unified_schedule: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """``[NUM_SAMPLES, NEW_TOKENS]`` tokens sampled by the engine from PROMPT, and the run's stats.
 
@@ -368,9 +372,11 @@ def sampled_tokens(
         ("pillar", False, None): 3,
         ("pillar", None, True): 4,
     }
-    seed = seeds.get((draft, draft_chain, delayed_verify), 6) + (7 if cuda_graphs else 0)
-    wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS, draft_chain, delayed_verify, cuda_graphs)
-    assert wrapped.engine.draft_chain is (draft == "pillar" and draft_chain is None)
+    seed = (
+        seeds.get((draft, draft_chain, delayed_verify), 6) + (7 if cuda_graphs else 0) + (11 if unified_schedule else 0)
+    )
+    wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS, draft_chain, delayed_verify, cuda_graphs, unified_schedule)
+    assert wrapped.engine.draft_chain is (draft == "pillar" and draft_chain is None and not unified_schedule)
     assert wrapped.engine.delayed_verify is (draft is None if delayed_verify is None else delayed_verify)
     outputs = generate(wrapped, seed, PROMPT, NUM_SAMPLES, NEW_TOKENS, **SAMPLING[sampling])
     if cuda_graphs and SAMPLING[sampling]["top_k"] == 0 and SAMPLING[sampling]["top_p"] == 1.0:
@@ -416,29 +422,31 @@ def test_plain_sampling_matches_the_exact_distribution(sampling, delayed_verify)
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize(
-    ("draft", "draft_chain", "cuda_graphs", "delayed_verify"),
+    ("draft", "draft_chain", "cuda_graphs", "delayed_verify", "unified_schedule"),
     [
-        ("pillar", None, None, None),
-        ("pillar", None, True, None),
-        ("pillar", False, None, None),
-        ("pillar", None, None, True),
-        ("ngram", None, None, None),
+        ("pillar", None, None, None, False),
+        ("pillar", None, True, None, False),
+        ("pillar", False, None, None, False),
+        ("pillar", None, None, True, False),
+        ("pillar", None, None, True, True),
+        ("ngram", None, None, None, False),
     ],
-    ids=["pillar", "pillar-graphs", "pillar-stepwise", "pillar-delayed", "ngram"],
+    ids=["pillar", "pillar-graphs", "pillar-stepwise", "pillar-delayed", "pillar-unified-delayed", "ngram"],
 )
-def test_speculative_sampling_is_lossless(draft, draft_chain, cuda_graphs, delayed_verify, sampling):
+def test_speculative_sampling_is_lossless(draft, draft_chain, cuda_graphs, delayed_verify, unified_schedule, sampling):
     """Speculative decoding samples exactly the target distribution: 1200 samples of the first 4 tokens from one
     prompt (token 1 from the prefill, tokens 2-3 drafted and verified, token 4 a bonus or a new round), each
     token and each adjacent pair against the exact distribution, and tokens 1 and 1-2 against draft=None samples
     (two-sample chi-square). Bonferroni over the 9 comparisons. PillarAttn runs both ways: a round's drafts
     chained in one step (sampled on the device, each fed to the next forward), the same through the padded
     static path of CUDA graphs (its chain graph samples temperature-only settings itself), one draft per step, and
-    with delayed verification (the batch's halves alternate, each launched while the other is read back).
+    with delayed verification (the batch's halves alternate, each launched while the other is read back), and so
+    under the unified schedule (each request's first round cut to spread the rounds over their phases).
 
     The rejection rate must be strictly between 0 and 1 (pillar with min_budget=4 attends to ~4 of 12+
     positions; n-gram proposals come from the prompt's repeats), else acceptance or rejection goes untested.
     """
-    tokens, stats = sampled_tokens(draft, sampling, draft_chain, delayed_verify, cuda_graphs)
+    tokens, stats = sampled_tokens(draft, sampling, draft_chain, delayed_verify, cuda_graphs, unified_schedule)
     plain, _ = sampled_tokens(None, sampling)
     rejection_rate = 1 - stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
     assert stats.num_rounds >= NUM_SAMPLES // 2, f"only {stats.num_rounds} speculation rounds"
@@ -449,7 +457,8 @@ def test_speculative_sampling_is_lossless(draft, draft_chain, cuda_graphs, delay
     p_values["t1t2 vs draft=None"] = two_sample(counts.sum((2, 3)), plain_counts.sum((2, 3)))
     assert_p_values(
         p_values,
-        f"{draft} chain={draft_chain} graphs={cuda_graphs} delayed={delayed_verify} {sampling} ({stats.num_rounds} "
+        f"{draft} chain={draft_chain} graphs={cuda_graphs} delayed={delayed_verify} unified={unified_schedule} "
+        f"{sampling} ({stats.num_rounds} "
         f"rounds, "
         f"rejection rate {rejection_rate:.3f})",
     )

@@ -30,6 +30,7 @@ ENGINE_SWITCHES = {
     "draft_chain": "a request drafts its whole round in one engine step (auto: where the policy allows)",
     "adaptive_rounds": "choose each step's round length from measured costs (auto: on with draft chains on CUDA)",
     "fuse_layers": "one GEMM for q/k/v and gate/up, one kernel per norm, RoPE, SiLU x mul (auto: on)",
+    "unified_schedule": "spread the requests' rounds over a round's phases, one forward per step (auto: off)",
 }
 
 
