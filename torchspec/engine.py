@@ -68,7 +68,8 @@ def use_adaptive_rounds(setting: bool | None, draft_chain: bool, device: torch.d
     if setting and not draft_chain:
         raise ValueError(
             "adaptive_rounds=True needs draft chains (a step must be a whole round to time it): use a draft "
-            "policy that drafts in chains (not draft=None, 'ngram' or 'sparsespec_l') with draft_chain=None or True"
+            "policy that drafts in chains (not draft=None, 'ngram' or 'sparsespec_l') with draft_chain=None or True "
+            "and unified_schedule=False"
         )
     return draft_chain and device.type == "cuda" if setting is None else setting
 

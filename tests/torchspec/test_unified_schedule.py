@@ -97,8 +97,11 @@ def test_unified_schedule_gives_the_draft_none_tokens(policy, delayed_verify, cu
 
 def test_unified_schedule_turns_draft_chains_off_and_refuses_them_by_name():
     """A chain runs a whole round in one step, which the unified schedule spreads over k + 1 steps: draft_chain
-    left at None resolves off, and draft_chain=True is refused at wrap() with the conflict and the fix."""
+    left at None resolves off; draft_chain=True, and adaptive_rounds=True (it times whole rounds), are refused at
+    wrap() with the conflict and the fix."""
     assert not sparsespec.wrap(SPEC.build(), draft="pillar_recent", unified_schedule=True).engine.draft_chain
     assert sparsespec.wrap(SPEC.build(), draft="pillar_recent").engine.draft_chain
     with pytest.raises(ValueError, match=r"draft_chain=True cannot run with unified_schedule=True: .* use"):
         sparsespec.wrap(SPEC.build(), draft="pillar_recent", unified_schedule=True, draft_chain=True)
+    with pytest.raises(ValueError, match=r"adaptive_rounds=True needs draft chains .* and unified_schedule=False"):
+        sparsespec.wrap(SPEC.build(), draft="pillar_recent", unified_schedule=True, adaptive_rounds=True)
