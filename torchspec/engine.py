@@ -37,7 +37,7 @@ def use_cuda_graphs(setting: bool | None, device: torch.device, ops: object) -> 
 
 
 def use_draft_chain(
-    setting: bool | None, policy: DraftPolicy | type[DraftPolicy] | None, unified_schedule: bool = False
+    setting: bool | None, policy: DraftPolicy | type[DraftPolicy] | None, unified_schedule: bool
 ) -> bool:
     """Whether a request drafts its whole round in one step: ``None`` = wherever the policy (or its class)
     allows it (it has draft steps, and does not decide between them whether to go on) and the schedule does

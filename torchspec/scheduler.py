@@ -162,7 +162,8 @@ class Scheduler:
         # Unified phase buckets: a request's first round is cut so that verifies spread over a round's k + 1 steps.
         self.unified = unified and policy is not None
         self._phased: set[int] = set()  # id() of the decoding requests whose first round was placed so
-        self._verifies_ahead: list[int] = []  # verifies in each of the next k + 1 steps (0: this one)
+        # Verifies in each of the next k + 1 steps (0: this one), counted when a step first places a request.
+        self._verifies_ahead: list[int] | None = None
         self.draft_chain = draft_chain  # a request runs its whole round (drafts, verify) in one step
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens
@@ -192,8 +193,7 @@ class Scheduler:
             starting = [r.spec_stats for r in self.running if r.decoding and r.round.length is None]
             self._length = 0 if self._filling() else self.round_length.choose(starting)
         pending = {id(item.request): item for item in in_flight.scheduled} if in_flight is not None else {}
-        if self.unified:
-            self._verifies_ahead = self._count_verifies_ahead()
+        self._verifies_ahead = None
         decoding: list[tuple[Request, ScheduledRequest]] = []
         prefilling: list[tuple[Request, None, int]] = []  # no step yet: its chunk is sized below, ``ahead`` on
         starts = self._max_starts()
@@ -284,6 +284,8 @@ class Scheduler:
         current = request.round
         length = min(self._length, request.remaining_tokens - 1)
         if self.unified and id(request) not in self._phased:
+            if self._verifies_ahead is None:  # counted before this step places anyone, once per step
+                self._verifies_ahead = self._count_verifies_ahead()
             self._phased.add(id(request))
             phase = min(range(self.k + 1), key=self._verifies_ahead.__getitem__)
             self._verifies_ahead[phase] += 1

@@ -117,8 +117,8 @@ def measure(
 ) -> dict:
     """Median host time of a full-batch decoding step of ``batch`` requests (forward replaced), and the host
     time per token those steps emitted (a chained step drafts a whole round: longer, and fewer of them).
-    ``top_k``: sampling's top-k, W1's by default (transformers' 50, which ``generate_batch`` applies; on main
-    it keeps a round's draft token selection out of the chain graph, so it changes what a step runs)."""
+    ``top_k``: sampling's top-k, W1's by default (transformers' 50, which ``generate_batch`` applies); it keeps a
+    round's draft token selection out of the chain graph, so it changes what a step runs."""
     model = _tiny_model(seed)
     wrapped = sparsespec.wrap(
         model, draft=draft, max_batch_size=batch, cuda_graphs=True, min_budget=16, draft_chain=draft_chain
