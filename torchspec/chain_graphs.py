@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from torchspec.cuda_graphs import StepGraphs, capture_graph
+from torchspec.draft_sampling import DraftSampling
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 
 
@@ -37,11 +38,7 @@ class ChainInputs:
     indptr: torch.Tensor  # [k - 1, D + 1]: offsets of each request's list into ``lists`` (empty past its chain)
     lists: torch.Tensor  # [sparse layers, Hkv, N]: every forward's lists, flat
     max_list_len: int  # longest list (a launch hint)
-    temperature: torch.Tensor  # [D] fp32 (1 for greedy requests)
-    greedy: torch.Tensor  # [D] bool
-    suppress_until: torch.Tensor  # [D]: forward j forbids the stop tokens while j < this
-    stop_tokens: torch.Tensor  # [D, S]: each request's stop ids, padded by repeating one (S >= 1)
-    store_rows: torch.Tensor  # [D]: the request's row of the draft-probs store
+    sampling: DraftSampling  # temperature only (no top-k/top-p): forward j samples with sampling.select
 
 
 @dataclass
@@ -76,7 +73,7 @@ class ChainGraphs:
 
     def tokens(self, inputs: ChainInputs, store: torch.Tensor, spare_row: int) -> torch.Tensor:
         """``[k - 1, D]``: the tokens drafted by forwards 2..k (row j - 1: forward j + 1), from one replay.
-        Writes each forward's K/V and each draft's distribution into ``store[row, j]``."""
+        Writes each forward's K/V, and each draft's distribution into the request's row of ``store``."""
         count = inputs.first_tokens.shape[0]
         size = next(size for size in self.buckets if size >= count)
         step = self._steps.get(size)
@@ -104,11 +101,17 @@ class ChainGraphs:
             indptr=zeros(later, size + 1),
             lists=zeros(len(self.sparse_layers), heads, capacity),
             max_list_len=hint,
-            temperature=torch.ones(size, device=self.device),
-            greedy=torch.ones(size, dtype=torch.bool, device=self.device),
-            suppress_until=zeros(size),
-            stop_tokens=zeros(size, 1),
-            store_rows=zeros(size),
+            sampling=DraftSampling(
+                temperature=torch.ones(size, device=self.device),
+                greedy=torch.ones(size, dtype=torch.bool, device=self.device),
+                top_k=None,
+                top_p=None,
+                max_top_k=0,
+                suppress_until=zeros(size),
+                stop_tokens=zeros(size, 1),
+                store_rows=zeros(size),
+                store_columns=zeros(size),
+            ),
         )
         cu_seqlens_q = torch.arange(size + 1, device=self.device)
         no_verifies = KVView(cu_seqlens_q[:1], cu_seqlens_q[:0], 0)
@@ -148,16 +151,19 @@ class ChainGraphs:
         static.indptr[:, : count + 1] = inputs.indptr
         static.indptr[:, count + 1 :] = inputs.indptr[:, -1:]
         static.lists[..., : inputs.lists.shape[-1]] = inputs.lists
-        static.temperature[:count] = inputs.temperature
-        static.greedy[:count] = inputs.greedy
-        static.suppress_until.zero_()
-        static.suppress_until[:count] = inputs.suppress_until
-        if static.stop_tokens.shape[1] != inputs.stop_tokens.shape[1]:  # a new width is a new graph
-            static.stop_tokens = inputs.stop_tokens.new_zeros(step.size, inputs.stop_tokens.shape[1])
+        fixed, given = static.sampling, inputs.sampling
+        fixed.temperature[:count] = given.temperature
+        fixed.greedy[:count] = given.greedy
+        fixed.suppress_until.zero_()
+        fixed.suppress_until[:count] = given.suppress_until
+        if fixed.stop_tokens.shape[1] != given.stop_tokens.shape[1]:  # a new width is a new graph
+            fixed.stop_tokens = given.stop_tokens.new_zeros(step.size, given.stop_tokens.shape[1])
             step.graph = None
-        static.stop_tokens[:count] = inputs.stop_tokens
-        static.store_rows.fill_(spare_row)
-        static.store_rows[:count] = inputs.store_rows
+        fixed.stop_tokens[:count] = given.stop_tokens
+        fixed.store_rows.fill_(spare_row)
+        fixed.store_rows[:count] = given.store_rows
+        fixed.store_columns.zero_()
+        fixed.store_columns[:count] = given.store_columns
 
     def _run(self, step: _ChainStep) -> None:
         """Forwards 2..k and their sampling, on the bucket's buffers (what the graph holds)."""
@@ -170,15 +176,7 @@ class ChainGraphs:
                     use_cache=False,
                     logits_to_keep=step.rows,
                 )
-            logits = output.logits[0].float()
-            # Stop tokens below min_new_tokens: every listed id of an active row (repeats write the same value).
-            active = (j < static.suppress_until)[:, None].expand_as(static.stop_tokens)
-            forbidden = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, static.stop_tokens, active)
-            logits = logits.masked_fill(forbidden, float("-inf"))
-            probs = (logits / static.temperature[:, None]).softmax(dim=-1)
-            draws = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
-            tokens[j] = torch.where(static.greedy, logits.argmax(dim=-1), draws)
-            step.store[static.store_rows, j] = probs
+            tokens[j] = static.sampling.select(output.logits[0].float(), j, step.store, self.generator)
 
     def _capture(self, step: _ChainStep) -> None:
         step.graph, _ = capture_graph(lambda: self._run(step))

@@ -18,6 +18,7 @@ import torch
 from torchspec.chain_graphs import ChainGraphs, ChainInputs
 from torchspec.cuda_graphs import StepGraphs
 from torchspec.draft_probs import DraftProbsStore
+from torchspec.draft_sampling import DraftSampling
 from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 from torchspec.kv_cache import KVPool, LayerSpec
@@ -379,17 +380,22 @@ class Runner:
         lists, offsets = None, None
         if not self.policy.selects_in_attention:
             lists, offsets = self._policy_lists(requests, rows, positions)
+        # Sampled once per forward from the round's columns: the chain graph's ops, or the same ops per forward.
+        sampling = DraftSampling.of([item.request for item in drafts], first_positions, draft_rows, self.device)
         if self._chain_graph_runs(drafts, draft_rows):
             self.draft_probs.reserve(self.max_batch_size + 1, vocab_size)  # a fixed store the graph writes
-            inputs = self._chain_inputs(drafts, draft_rows, counts, first, layout, lists, offsets)
+            inputs = self._chain_inputs(counts, first, layout, lists, offsets, sampling)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
             return [tokens[j, :count] for j, count in enumerate(counts)], self.num_draft_slots - 1
-        plans = [StepPlan([item.advanced(j) for item in drafts[:count]]) for j, count in enumerate(counts, start=1)]
+        self.draft_probs.reserve(max(draft_rows) + 1, vocab_size)
+        max_list_len = max(item.request.max_total_tokens for item in drafts) + self.num_draft_slots
         chain = [first]
-        for later, position_ids, metadata in self._chain_metadata(drafts, plans, layout, lists, offsets):
-            input_ids = chain[-1][None, : len(later.scheduled)]
-            logits, rows = self._forward(later, input_ids, position_ids, metadata)
-            chain.append(self._pick(later, logits, rows).tokens)
+        metadata = self._chain_metadata(drafts, counts, layout, lists, offsets)
+        for forward, (count, position_ids, forward_metadata) in enumerate(metadata, start=1):
+            logits = self._logits(
+                forward_metadata, chain[-1][None, :count], position_ids, range(count), max_list_len=max_list_len
+            )
+            chain.append(sampling.prefix(count).select(logits, forward, self.draft_probs.probs, self.generator))
         return chain[1:], len(chain) - 1
 
     def _chain_graph_runs(self, drafts: Sequence[ScheduledRequest], rows: Sequence[int]) -> bool:
@@ -403,18 +409,17 @@ class Runner:
 
     def _chain_inputs(
         self,
-        drafts: Sequence[ScheduledRequest],
-        rows: Sequence[int],
         counts: Sequence[int],
         first: torch.Tensor,
         layout: torch.Tensor,
         lists: KVView,
         offsets: list[int],
+        sampling: DraftSampling,
     ) -> ChainInputs:
-        """The round's chain inputs (see ``ChainInputs``) for draft requests in slot-table ``rows``, sent in two
-        copies (integers, temperatures); the positions and slots are the chain ``layout`` (``[2, forwards'
-        requests]``, already on the device) spread into one row per forward."""
-        count, later = len(drafts), self.num_draft_slots - 1
+        """The round's chain inputs (see ``ChainInputs``) for its draft requests, sent in one copy; the positions
+        and slots are the chain ``layout`` (``[2, forwards' requests]``, already on the device) spread into one
+        row per forward."""
+        count, later = first.shape[0], self.num_draft_slots - 1
         targets, indptr = [], []  # each layout entry's place in the [later, count] grid; per-forward offsets
         start = 0
         for j in range(later):
@@ -423,22 +428,10 @@ class Runner:
             end = start + active
             indptr += offsets[start:end] + [offsets[end]] * (count + 1 - active)
             start = end
-        params = [item.request.params for item in drafts]
-        width = max(1, max(len(p.stop_token_ids) for p in params))
-        stops, until = [], []
-        for item, p in zip(drafts, params, strict=True):
-            ids = list(p.stop_token_ids) or [0]
-            stops += ids + [ids[0]] * (width - len(ids))
-            first_output = item.first_position + 1 - item.request.num_prompt_tokens
-            until.append(p.min_new_tokens - first_output if p.stop_token_ids else 0)
-        greedy = [int(p.greedy) for p in params]
-        values = self._tensor([*targets, *indptr, *until, *stops, *rows, *greedy])
-        sizes = [len(targets), later * (count + 1), count, count * width, count, count]
-        targets_t, indptr_t, until_t, stops_t, rows_t, greedy_t = values.split(sizes)
+        targets_t, indptr_t = self._tensor([*targets, *indptr]).split([len(targets), later * (count + 1)])
         grid = layout.new_zeros(2, later * count)  # padding: position 0, the scratch slot
         grid[1] = self.pool.scratch_slot
         grid[:, targets_t] = layout
-        temperature = to_device([1.0 if p.greedy else p.temperature for p in params], self.device, torch.float32)
         return ChainInputs(
             first_tokens=first,
             positions=grid[0].view(later, count),
@@ -446,28 +439,27 @@ class Runner:
             indptr=indptr_t.view(later, count + 1),
             lists=lists.kv_indices,
             max_list_len=lists.max_len,
-            temperature=temperature,
-            greedy=greedy_t.bool(),
-            suppress_until=until_t,
-            stop_tokens=stops_t.view(count, width),
-            store_rows=rows_t,
+            sampling=sampling,
         )
 
     def _chain_metadata(
         self,
         drafts: Sequence[ScheduledRequest],
-        plans: Sequence[StepPlan],
+        counts: Sequence[int],
         layout: torch.Tensor,
         lists: KVView | None,
         offsets: list[int] | None,
-    ) -> Iterator[tuple[StepPlan, torch.Tensor, AttentionMetadata]]:
-        """Plans, positions and metadata of the later forwards of the step's draft chains, one forward each:
-        views into the lists and layout built for all of them."""
+    ) -> Iterator[tuple[int, torch.Tensor, AttentionMetadata]]:
+        """Request count, positions and metadata of each later forward of the step's draft chains: views into
+        the lists and layout built for all of them. Forward j's draft requests (the first ``counts[j - 1]``) are
+        advanced along their chains only for what reads them per request: sliding windows, query-aware lists."""
         counting = torch.arange(len(drafts) + 1, device=self.device)
         no_verifies = KVView(counting[:1], counting[:0], 0)
+        per_request = bool(self.windows) or self.policy.selects_in_attention
         start = 0
-        for later in plans:
-            items, end = later.scheduled, start + len(later.scheduled)
+        for forward, count in enumerate(counts, start=1):
+            end = start + count
+            items = [item.advanced(forward) for item in drafts[:count]] if per_request else []
             draft, draft_lists = {}, None
             if lists is not None:
                 first, last = offsets[start], offsets[end]
@@ -485,16 +477,16 @@ class Runner:
             }
             metadata = AttentionMetadata(
                 slot_mapping=layout[1, start:end],
-                cu_seqlens_q=counting[: len(items) + 1],
+                cu_seqlens_q=counting[: count + 1],
                 windowed=windowed,
                 full=no_verifies,
-                num_drafts=len(items),
+                num_drafts=count,
                 draft=draft,
                 draft_lists=draft_lists,
                 draft_select=self._draft_selector(items),
                 max_q_len=1,
             )
-            yield later, layout[0, None, start:end], metadata
+            yield count, layout[0, None, start:end], metadata
             start = end
 
     def _forward(
@@ -507,9 +499,24 @@ class Runner:
             end += item.num_query_tokens
             rows.extend(range(end - _sampled_row_count(item), end))
         prefill = any(item.phase is Phase.PREFILL for item in plan.scheduled)
+        max_list_len = max(item.request.max_total_tokens for item in plan.scheduled) + self.num_draft_slots
+        logits = self._logits(metadata, input_ids, position_ids, rows, max_list_len=max_list_len, prefill=prefill)
+        return logits, first_row
+
+    def _logits(
+        self,
+        metadata: AttentionMetadata,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        rows: Sequence[int],
+        *,
+        max_list_len: int,
+        prefill: bool = False,
+    ) -> torch.Tensor:
+        """The fp32 logits of the packed tokens ``rows``: a graph replay where the step fits one (its full lists
+        bounded by ``max_list_len``), else the model's forward."""
         if self.graphs is not None and self.graphs.eligible(metadata, prefill):
-            max_list_len = max(item.request.max_total_tokens for item in plan.scheduled) + self.num_draft_slots
-            logits = self.graphs.logits(input_ids, position_ids, metadata, rows, max_list_len)
+            logits = self.graphs.logits(input_ids, position_ids, metadata, list(rows), max_list_len)
         else:
             context = PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)
             with forward_context(context):
@@ -517,7 +524,7 @@ class Runner:
                     input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=self._tensor(rows)
                 )
             logits = output.logits[0]
-        return logits.float(), first_row
+        return logits.float()
 
     def _learn_from_verify(self, plan: StepPlan, metadata: AttentionMetadata) -> None:
         """Hand the step's verify attention mass ``[layers, Hkv, verifies, width]`` (stacked on the device; each

@@ -1,0 +1,68 @@
+"""DraftSampling: a chain forward's token selection from the round's columns equals the general selection."""
+
+from __future__ import annotations
+
+import torch
+
+from torchspec.draft_sampling import DraftSampling
+from torchspec.request import Request, SamplingParams
+from torchspec.sampling import suppress_stop_tokens, warped_probs
+
+VOCAB = 32
+K = 4
+
+
+def _requests() -> list[Request]:
+    """Four requests decoding at different points: sampled with top-k, with top-p, with both, and greedy; the
+    first and the last with stop tokens below min_new_tokens for part of the round."""
+    params = [
+        SamplingParams(max_new_tokens=20, min_new_tokens=6, do_sample=True, temperature=0.7, top_k=5,
+                       stop_token_ids=(3, 7)),
+        SamplingParams(max_new_tokens=20, do_sample=True, temperature=1.3, top_p=0.8, stop_token_ids=(1,)),
+        SamplingParams(max_new_tokens=20, do_sample=True, temperature=0.5, top_k=9, top_p=0.9),
+        SamplingParams(max_new_tokens=20, min_new_tokens=20, stop_token_ids=(2,)),
+    ]  # fmt: skip
+    requests = []
+    for i, p in enumerate(params):
+        request = Request(request_id=i, prompt_ids=list(range(5 + i)), params=p)
+        request.token_ids += [4] * (3 + i)  # 3 + i tokens generated
+        request.num_computed_tokens = len(request.token_ids) - 1
+        requests.append(request)
+    return requests
+
+
+def test_each_forward_samples_from_the_general_warped_distribution_and_keeps_it():
+    requests = _requests()
+    first_positions = [r.num_computed_tokens for r in requests]  # the round's first draft: its newest token
+    store_rows = [5, 0, 2, 7]
+    sampling = DraftSampling.of(requests, first_positions, store_rows, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    for forward in range(1, K):
+        logits = torch.randn(len(requests), VOCAB, generator=torch.Generator().manual_seed(forward))
+        logits[0, [3, 7]] += 10  # request 0's stop tokens lead its top-k wherever they are allowed
+        store = torch.zeros(8, K, VOCAB)
+        tokens = sampling.select(logits, forward, store, generator)
+        # The general path: stop tokens forbidden where the drawn token's output index is below min_new_tokens.
+        expected = logits.clone()
+        below = [i for i, r in enumerate(requests) if r.num_output_tokens + forward < r.params.min_new_tokens]
+        suppress_stop_tokens(expected, below, [requests[i].params.stop_token_ids for i in below])
+        probs = warped_probs(expected[:3], [r.params for r in requests[:3]])
+        for i in range(3):
+            torch.testing.assert_close(store[store_rows[i], forward], probs[i])
+            assert probs[i, tokens[i]] > 0
+        assert tokens[3] == expected[3].argmax()
+        # Stops of request 0 (3 outputs before the round, min 6) are forbidden for forwards 1 and 2 only.
+        assert bool((store[5, forward, [3, 7]] == 0).all()) == (forward < 3)
+        assert expected[3, 2] == float("-inf")  # request 3 never reaches its minimum in this round
+        untouched = torch.ones(8, dtype=torch.bool)
+        untouched[store_rows] = False
+        assert not store[untouched].any() and not store[:, [c for c in range(K) if c != forward]].any()
+
+
+def test_a_prefix_keeps_the_first_requests_columns():
+    requests = _requests()
+    sampling = DraftSampling.of(requests, [r.num_computed_tokens for r in requests], [5, 0, 2, 7], torch.device("cpu"))
+    assert sampling.prefix(4) is sampling
+    two = sampling.prefix(2)
+    assert two.store_rows.tolist() == [5, 0] and two.greedy.tolist() == [False, False]
+    assert two.max_top_k == 9 and two.stop_tokens.tolist() == [[3, 7], [1, 1]]

@@ -1,0 +1,110 @@
+"""Token selection for the later forwards of a round's draft chains, from columns built once per round.
+
+Forward j of a chain (j = 1 .. k - 1) samples for the same requests as forward 0, or a prefix of them (chains
+are sorted longest first), with the same parameters. Building each forward's selection from its requests (the
+general ``Runner._pick``: a pass over the items, NumPy over the rows, parameters sent per forward) cost the host
+~1.6 ms per forward at batch 256 on the H200, about what the forward's replay costs the GPU. Here the per-request
+columns (temperature, top-k, top-p, stop tokens below ``min_new_tokens``, where each draft distribution is kept)
+are sent once per round, and a forward's selection is a fixed dozen tensor ops on a prefix of them, the same ops
+a chain graph captures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from torchspec.request import Request
+from torchspec.sampling import warp_logits
+from torchspec.transfer import to_device
+
+
+@dataclass
+class DraftSampling:
+    """Sampling columns of ``D`` draft requests on the device (request i in row i)."""
+
+    temperature: torch.Tensor  # [D] fp32 (1 for greedy requests)
+    greedy: torch.Tensor  # [D] bool
+    top_k: torch.Tensor | None  # [D] int64, 0 = off (None: no request filters)
+    top_p: torch.Tensor | None  # [D] float64, 1 = off (None: no request filters)
+    max_top_k: int  # at least every request's top_k (a launch width, known on the host)
+    suppress_until: torch.Tensor  # [D]: forward j forbids the request's stop tokens while j < this
+    stop_tokens: torch.Tensor  # [D, S]: each request's stop ids, padded by repeating one (S >= 1)
+    store_rows: torch.Tensor  # [D]: the request's row of the draft-probs store
+    store_columns: torch.Tensor  # [D]: forward j's distribution goes to column store_columns + j
+
+    @classmethod
+    def of(
+        cls,
+        requests: Sequence[Request],
+        first_positions: Sequence[int],
+        store_rows: Sequence[int],
+        device: torch.device,
+    ) -> DraftSampling:
+        """The columns of chains whose forward 0 draws the token at ``first_positions[i]`` + 1 of
+        ``requests[i]``, kept in draft-probs store row ``store_rows[i]``: one copy of integers, one of
+        temperatures (and one of top-p values when some request filters by it)."""
+        count = len(requests)
+        params = [request.params for request in requests]
+        width = max(1, max(len(p.stop_token_ids) for p in params))
+        stops = np.zeros((count, width), dtype=np.int64)
+        for i, p in enumerate(params):
+            if p.stop_token_ids:
+                stops[i] = p.stop_token_ids[0]
+                stops[i, : len(p.stop_token_ids)] = p.stop_token_ids
+        first = np.asarray(first_positions, dtype=np.int64)
+        prompt = np.fromiter((request.num_prompt_tokens for request in requests), np.int64, count)
+        computed = np.fromiter((request.num_computed_tokens for request in requests), np.int64, count)
+        min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, count)
+        has_stops = np.fromiter((bool(p.stop_token_ids) for p in params), bool, count)
+        top_k = np.fromiter((p.top_k for p in params), np.int64, count)
+        greedy = np.fromiter((p.greedy for p in params), np.int64, count)
+        # The token forward j draws is output number first + 1 - prompt + j: forbidden while below min_new.
+        until = np.where(has_stops, min_new - (first + 1 - prompt), 0)
+        columns = [until, greedy, top_k, np.asarray(store_rows, dtype=np.int64), first - computed]
+        sent = to_device(np.concatenate([np.stack(columns).ravel(), stops.ravel()]), device)
+        until_t, greedy_t, top_k_t, rows_t, columns_t = sent[: 5 * count].view(5, count)
+        temperature = to_device([1.0 if p.greedy else p.temperature for p in params], device, torch.float32)
+        top_p = [p.top_p for p in params]
+        return cls(
+            temperature=temperature,
+            greedy=greedy_t.bool(),
+            top_k=top_k_t if top_k.any() else None,
+            top_p=to_device(top_p, device, torch.float64) if min(top_p) < 1 else None,
+            max_top_k=int(top_k.max(initial=0)),
+            suppress_until=until_t,
+            stop_tokens=sent[5 * count :].view(count, width),
+            store_rows=rows_t,
+            store_columns=columns_t,
+        )
+
+    def prefix(self, count: int) -> DraftSampling:
+        """The columns of the first ``count`` requests (views, no copy)."""
+        if count == self.greedy.shape[0]:
+            return self
+        return DraftSampling(
+            **{
+                field.name: value[:count] if isinstance(value, torch.Tensor) else value
+                for field in fields(self)
+                for value in [getattr(self, field.name)]
+            }
+        )
+
+    def select(
+        self, logits: torch.Tensor, forward: int, store: torch.Tensor, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """The tokens forward ``forward`` of the chains draws from ``logits`` (``[D, V]`` fp32, request i in row
+        i): the argmax for greedy requests, else a draw from the warped distribution (transformers' order:
+        stop tokens below ``min_new_tokens``, temperature, top-k, top-p), which goes to ``store`` (the
+        ``[rows, k, V]`` draft-probs store) for the verify's rejection sampling."""
+        # Stop tokens below min_new_tokens: only their entries are read and written (repeats write one value).
+        active = (forward < self.suppress_until)[:, None]
+        stops = logits.gather(1, self.stop_tokens).masked_fill(active, float("-inf"))
+        logits = logits.scatter(1, self.stop_tokens, stops)
+        probs = warp_logits(logits, self.temperature, self.top_k, self.top_p, self.max_top_k).softmax(dim=-1)
+        draws = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        store[self.store_rows, self.store_columns + forward] = probs
+        return torch.where(self.greedy, logits.argmax(dim=-1), draws)
