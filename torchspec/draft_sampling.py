@@ -35,6 +35,7 @@ class DraftSampling:
     stop_tokens: torch.Tensor  # [D, S]: each request's stop ids, padded by repeating one (S >= 1)
     store_rows: torch.Tensor  # [D]: the request's row of the draft-probs store
     store_columns: torch.Tensor  # [D]: forward j's distribution goes to column store_columns + j
+    all_greedy: bool = False  # every request takes the argmax: no distribution to warp, draw from or keep
 
     @classmethod
     def of(
@@ -60,15 +61,15 @@ class DraftSampling:
         computed = np.fromiter((request.num_computed_tokens for request in requests), np.int64, count)
         min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, count)
         has_stops = np.fromiter((bool(p.stop_token_ids) for p in params), bool, count)
-        top_k = np.fromiter((p.top_k for p in params), np.int64, count)
         greedy = np.fromiter((p.greedy for p in params), np.int64, count)
+        top_k = np.fromiter((p.top_k for p in params), np.int64, count) * (1 - greedy)  # greedy rows filter nothing
         # The token forward j draws is output number first + 1 - prompt + j: forbidden while below min_new.
         until = np.where(has_stops, min_new - (first + 1 - prompt), 0)
         columns = [until, greedy, top_k, np.asarray(store_rows, dtype=np.int64), first - computed]
         sent = to_device(np.concatenate([np.stack(columns).ravel(), stops.ravel()]), device)
         until_t, greedy_t, top_k_t, rows_t, columns_t = sent[: 5 * count].view(5, count)
         temperature = to_device([1.0 if p.greedy else p.temperature for p in params], device, torch.float32)
-        top_p = [p.top_p for p in params]
+        top_p = [1.0 if p.greedy else p.top_p for p in params]
         return cls(
             temperature=temperature,
             greedy=greedy_t.bool(),
@@ -79,6 +80,7 @@ class DraftSampling:
             stop_tokens=sent[5 * count :].view(count, width),
             store_rows=rows_t,
             store_columns=columns_t,
+            all_greedy=bool(greedy.all()),
         )
 
     def prefix(self, count: int) -> DraftSampling:
@@ -99,11 +101,14 @@ class DraftSampling:
         """The tokens forward ``forward`` of the chains draws from ``logits`` (``[D, V]`` fp32, request i in row
         i): the argmax for greedy requests, else a draw from the warped distribution (transformers' order:
         stop tokens below ``min_new_tokens``, temperature, top-k, top-p), which goes to ``store`` (the
-        ``[rows, k, V]`` draft-probs store) for the verify's rejection sampling."""
+        ``[rows, k, V]`` draft-probs store) for the verify's rejection sampling. A round of greedy requests
+        alone takes the argmax and nothing else (its verify reads no draft distribution)."""
         # Stop tokens below min_new_tokens: only their entries are read and written (repeats write one value).
         active = (forward < self.suppress_until)[:, None]
         stops = logits.gather(1, self.stop_tokens).masked_fill(active, float("-inf"))
         logits = logits.scatter(1, self.stop_tokens, stops)
+        if self.all_greedy:
+            return logits.argmax(dim=-1)
         probs = warp_logits(logits, self.temperature, self.top_k, self.top_p, self.max_top_k).softmax(dim=-1)
         draws = torch.multinomial(probs, 1, generator=generator)[:, 0]
         store[self.store_rows, self.store_columns + forward] = probs

@@ -66,3 +66,16 @@ def test_a_prefix_keeps_the_first_requests_columns():
     two = sampling.prefix(2)
     assert two.store_rows.tolist() == [5, 0] and two.greedy.tolist() == [False, False]
     assert two.max_top_k == 9 and two.stop_tokens.tolist() == [[3, 7], [1, 1]]
+
+
+def test_greedy_requests_alone_take_the_argmax_below_their_stops_and_keep_nothing():
+    requests = _requests()[3:] * 2  # greedy, its stop token 2 forbidden for the whole round
+    sampling = DraftSampling.of(requests, [r.num_computed_tokens for r in requests], [1, 4], torch.device("cpu"))
+    assert sampling.all_greedy and sampling.top_k is None and sampling.top_p is None
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits[:, 2] = 100.0
+    store = torch.zeros(8, K, VOCAB)
+    tokens = sampling.select(logits, 1, store, torch.Generator().manual_seed(0))
+    expected = logits.clone()
+    expected[:, 2] = float("-inf")
+    assert tokens.tolist() == expected.argmax(dim=-1).tolist() and not store.any()
