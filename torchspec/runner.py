@@ -388,12 +388,12 @@ class Runner:
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
             return [tokens[j, :count] for j, count in enumerate(counts)], self.num_draft_slots - 1
         self.draft_probs.reserve(max(draft_rows) + 1, vocab_size)
-        max_list_len = max(item.request.max_total_tokens for item in drafts) + self.num_draft_slots
+        max_list_len = self._max_list_len(drafts)
         chain = [first]
         metadata = self._chain_metadata(drafts, counts, layout, lists, offsets)
         for forward, (count, position_ids, forward_metadata) in enumerate(metadata, start=1):
             logits = self._logits(
-                forward_metadata, chain[-1][None, :count], position_ids, range(count), max_list_len=max_list_len
+                forward_metadata, chain[-1][None, :count], position_ids, list(range(count)), max_list_len=max_list_len
             )
             chain.append(sampling.prefix(count).select(logits, forward, self.draft_probs.probs, self.generator))
         return chain[1:], len(chain) - 1
@@ -499,16 +499,23 @@ class Runner:
             end += item.num_query_tokens
             rows.extend(range(end - _sampled_row_count(item), end))
         prefill = any(item.phase is Phase.PREFILL for item in plan.scheduled)
-        max_list_len = max(item.request.max_total_tokens for item in plan.scheduled) + self.num_draft_slots
-        logits = self._logits(metadata, input_ids, position_ids, rows, max_list_len=max_list_len, prefill=prefill)
+        logits = self._logits(
+            metadata, input_ids, position_ids, rows, max_list_len=self._max_list_len(plan.scheduled), prefill=prefill
+        )
         return logits, first_row
+
+    def _max_list_len(self, items: Sequence[ScheduledRequest]) -> int:
+        """A bound on the full lists of ``items`` for graph buckets (0 without graphs: nothing reads it)."""
+        if self.graphs is None:
+            return 0
+        return max(item.request.max_total_tokens for item in items) + self.num_draft_slots
 
     def _logits(
         self,
         metadata: AttentionMetadata,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        rows: Sequence[int],
+        rows: list[int],
         *,
         max_list_len: int,
         prefill: bool = False,
@@ -516,7 +523,7 @@ class Runner:
         """The fp32 logits of the packed tokens ``rows``: a graph replay where the step fits one (its full lists
         bounded by ``max_list_len``), else the model's forward."""
         if self.graphs is not None and self.graphs.eligible(metadata, prefill):
-            logits = self.graphs.logits(input_ids, position_ids, metadata, list(rows), max_list_len)
+            logits = self.graphs.logits(input_ids, position_ids, metadata, rows, max_list_len)
         else:
             context = PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)
             with forward_context(context):
