@@ -143,9 +143,11 @@ def profile_steps(
             next(steps)
         sync()
         wall = 1e3 * (time.perf_counter() - start)
-    table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    averages = profiler.key_averages()
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
     report = f"{profile_steps} steps, wall {wall:.1f} ms\n{table}"
-    if device.type == "cuda":
+    if device.type == "cuda":  # the GPU's own costliest ops, wherever the host launched them from
+        report += "\n" + averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60)
         with tempfile.NamedTemporaryFile(suffix=".json") as trace:
             profiler.export_chrome_trace(trace.name)
             events = json.loads(Path(trace.name).read_text())["traceEvents"]
