@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from attention import layer_kernels, paged
-from attention.reference import OP_NAMES, FirstLists
+from attention.reference import MASS_DTYPE, OP_NAMES, FirstLists
 from attention.reference import store_kv as store_kv  # a plain index copy: no kernel of its own
 
 __all__ = list(OP_NAMES)
@@ -88,7 +88,7 @@ def _attention_mass(
 def _(query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, lse, scale, num_scored_queries, max_scored, max_kv_len):
     if max_kv_len is None:  # the width is the longest list: a value on the device, unknown when tracing
         raise ValueError("attention_mass under torch.compile needs max_kv_len (its output's width)")
-    return query.new_empty((k_cache.shape[1], cu_seqlens_q.shape[0] - 1, max_kv_len), dtype=torch.float32)
+    return query.new_empty((k_cache.shape[1], cu_seqlens_q.shape[0] - 1, max_kv_len), dtype=MASS_DTYPE)
 
 
 def paged_attention(

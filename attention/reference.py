@@ -27,6 +27,10 @@ import torch
 
 #: The op set: every implementation (this module, the Triton ``attention.ops``) provides these functions.
 OP_NAMES = ("paged_attention", "attention_mass", "store_kv", "rms_norm", "silu_and_mul", "rotary_store_kv")
+#: The verify mass PillarAttn ranks: fp16 keeps ~3 significant digits of each probability (a Top-K of
+#: averaged probabilities needs no more; below 6e-8 a mass becomes 0), and a 16-bit Top-K takes two radix passes
+#: where fp32 takes four: PillarAttn's Top-K over 23,040 rows x 6.4K (W1 at 6.5K context) is ~4 ms of a round.
+MASS_DTYPE = torch.float16
 
 
 class FirstLists(NamedTuple):
@@ -169,7 +173,7 @@ def attention_mass(
     For request ``b`` the last ``num_scored_queries[b]`` query tokens are scored (0 = not scored, its
     entries stay 0); probabilities are rematerialised from the logits and the ``lse`` the attention pass
     returned, ``exp(q.k * scale - lse)``, with the same causal mask. Shared lists only (``kv_indices`` of
-    shape ``[N]``). Returns ``[num_kv_heads, requests, width]`` fp32: row ``b`` holds the mass of request
+    shape ``[N]``). Returns ``[num_kv_heads, requests, width]`` in ``MASS_DTYPE``: row ``b`` holds the mass of request
     ``b``'s list entries in list order, zeros past its list. ``width`` is ``max_kv_len`` (at least every list's
     length; None: the longest), so a reader takes a Top-K per request without regrouping a flat list.
     ``max_scored`` is a launch hint for the kernels, unused here.
@@ -182,7 +186,7 @@ def attention_mass(
     width = max_kv_len if max_kv_len is not None else max(lengths, default=0)
     if max(lengths, default=0) > width:  # the Triton kernel would write past its row (it cannot check)
         raise ValueError(f"max_kv_len={width} is shorter than the longest list ({max(lengths)} entries)")
-    mass = torch.zeros(num_kv_heads, len(lengths), width, dtype=torch.float32, device=query.device)
+    mass = torch.zeros(num_kv_heads, len(lengths), width, dtype=MASS_DTYPE, device=query.device)
     for b in range(len(q_bounds) - 1):
         if scored[b] == 0:
             continue

@@ -107,6 +107,7 @@ class ChainGraphs:
                 top_k=None,
                 top_p=None,
                 max_top_k=0,
+                support=None,
                 suppress_until=zeros(size),
                 stop_tokens=zeros(size, 1),
                 store_rows=zeros(size),
@@ -176,7 +177,7 @@ class ChainGraphs:
                     use_cache=False,
                     logits_to_keep=step.rows,
                 )
-            tokens[j] = static.sampling.select(output.logits[0].float(), j, step.store, self.generator)
+            tokens[j] = static.sampling.select(output.logits[0], j, step.store, self.generator)
 
     def _capture(self, step: _ChainStep) -> None:
         step.graph, _ = capture_graph(lambda: self._run(step))

@@ -2,9 +2,9 @@
 
 Rejection sampling needs, at the verify, the distribution q each draft token was sampled from. Each step writes
 the rows of all its sampled draft requests at once into one ``[rows, k, V]`` buffer (row: the request's
-slot-table row; column: the draft's index in its round) and the verify reads every verify's drafts with one
-gather. Keeping a tensor per draft instead cost a view per draft and a stack per verify: hundreds of small
-host-side ops per step at batch 256.
+slot-table row; column: the draft's index in its round) and the verify's rejection sampling gathers what it
+needs from it (each draft's q, and the q of a rejected draft). Keeping a tensor per draft instead cost a view
+per draft and a stack per verify: hundreds of small host-side ops per step at batch 256.
 """
 
 from __future__ import annotations
@@ -30,15 +30,6 @@ class DraftProbsStore:
             return
         self.reserve(max(rows) + 1, probs.shape[-1])
         self.probs.index_put_(to_device([rows, draft_indices], self.device).unbind(0), probs)
-
-    def read(self, rows: Sequence[int], num_drafts: torch.Tensor, width: int, vocab_size: int) -> torch.Tensor:
-        """``[J, width, V]``: the first ``num_drafts[j]`` drafts of row ``rows[j]``, zeros past them (a verify
-        without drafts, e.g. a final prompt chunk, may sit in a row no draft step wrote yet)."""
-        self.reserve(max(rows) + 1, vocab_size)
-        index = to_device(rows, self.device)
-        stored = self.probs[index, :width]
-        present = torch.arange(width, device=self.device) < num_drafts[:, None]
-        return torch.where(present[..., None], stored, 0.0)
 
     def reserve(self, rows: int, vocab_size: int) -> None:
         """Room for ``rows`` rows of ``vocab_size`` entries (rows double; what the buffer held is kept)."""

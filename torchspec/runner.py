@@ -230,7 +230,7 @@ class Runner:
         positions = torch.empty(*shape, total, dtype=torch.int64, device=self.device)
         owner = self._owners(fixed_length, total_fixed)
         local = torch.arange(total_fixed, device=self.device) - fixed_start[owner]
-        source = torch.cat(sources, dim=-1).to(self.device)  # one device each policy
+        source = torch.cat(sources, dim=-1).to(self.device, torch.int64)  # a policy keeps one device and dtype
         positions[..., start[owner] + local] = source[..., source_start[owner] + local]
         owner = self._owners(recent_length, total_recent)
         local = torch.arange(total_recent, device=self.device) - recent_start[owner]
@@ -492,7 +492,7 @@ class Runner:
     def _forward(
         self, plan: StepPlan, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, list[int]]:
-        """The fp32 logits of every row that samples, and each request's first row among them."""
+        """The logits of every row that samples (the model's dtype), and each request's first row among them."""
         rows, first_row, end = [], [], 0
         for item in plan.scheduled:
             first_row.append(len(rows))
@@ -520,8 +520,9 @@ class Runner:
         max_list_len: int,
         prefill: bool = False,
     ) -> torch.Tensor:
-        """The fp32 logits of the packed tokens ``rows``: a graph replay where the step fits one (its full lists
-        bounded by ``max_list_len``), else the model's forward."""
+        """The logits of the packed tokens ``rows`` in the model's dtype (token selection computes in fp32 from
+        them; an fp32 copy of a verify's 2,304 x 49K bf16 rows is 450 MB to write): a graph replay where the
+        step fits one (its full lists bounded by ``max_list_len``), else the model's forward."""
         if self.graphs is not None and self.graphs.eligible(metadata, prefill):
             logits = self.graphs.logits(input_ids, position_ids, metadata, rows, max_list_len)
         else:
@@ -531,7 +532,7 @@ class Runner:
                     input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=self._tensor(rows)
                 )
             logits = output.logits[0]
-        return logits.float()
+        return logits
 
     def _learn_from_verify(self, plan: StepPlan, metadata: AttentionMetadata) -> None:
         """Hand the step's verify attention mass ``[layers, Hkv, verifies, width]`` (stacked on the device; each
@@ -649,7 +650,7 @@ class Runner:
         """Predictive entropy of each draft row (``[rows]``), for policies that steer the round length by it."""
         if not rows or not self.policy.uses_draft_entropy:
             return None
-        log_probs = logits[row_index(rows, self.device)].log_softmax(dim=-1)
+        log_probs = logits[row_index(rows, self.device)].float().log_softmax(dim=-1)
         return -(log_probs.exp() * log_probs).nan_to_num().sum(dim=-1)
 
     def _accept_sampled(
@@ -676,16 +677,18 @@ class Runner:
         first = self._tensor(prob_index[[row for _, _, row in verifies]])
         num_drafts = self._tensor(counts)
         steps = torch.arange(n + 1, device=self.device)
-        target = probs[first[:, None] + torch.minimum(steps, num_drafts[:, None])]  # padding: the last row again
-        if self.policy is not None and self.policy.proposes_tokens:  # proposed drafts: point masses
+        target_rows = first[:, None] + torch.minimum(steps, num_drafts[:, None])  # padding: the last row again
+        # Proposed drafts (and rounds without drafts) as point masses, one row per verify; sampled drafts' rows
+        # are the store's, read where the draft steps wrote them (entries past a round's drafts are padding).
+        draft_rows = torch.arange(len(verifies), device=self.device)
+        if (self.policy is not None and self.policy.proposes_tokens) or not n:
             draft_probs = torch.zeros(len(verifies), n, probs.shape[-1], dtype=probs.dtype, device=probs.device)
             draft_probs.scatter_(2, drafts[..., None], (steps[:n] < num_drafts[:, None]).to(probs.dtype)[..., None])
-        elif n:
-            rows = [self.table.row(item.request) for _, item, _ in verifies]
-            draft_probs = self.draft_probs.read(rows, num_drafts, n, probs.shape[-1])
         else:
-            draft_probs = probs.new_zeros(len(verifies), 0, probs.shape[-1])
-        return accept_sampled(target, drafts, draft_probs, num_drafts, self.generator)
+            rows = [self.table.row(item.request) for _, item, _ in verifies]
+            self.draft_probs.reserve(max(rows) + 1, probs.shape[-1])
+            draft_probs, draft_rows = self.draft_probs.probs, self._tensor(rows)
+        return accept_sampled(probs, target_rows, drafts, draft_probs, draft_rows, num_drafts, self.generator)
 
 
 class _Readback:

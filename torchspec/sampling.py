@@ -1,4 +1,5 @@
-"""Token selection on fp32 logits, in transformers' order: min-new-tokens, temperature, top-k, top-p."""
+"""Token selection on a model's logits (in fp32), in transformers' order: min-new-tokens, temperature, top-k,
+top-p."""
 
 from __future__ import annotations
 
@@ -38,40 +39,46 @@ def warp_logits(
 ) -> torch.Tensor:
     """Per-row temperature, top-k (0 = off) and top-p, exactly as transformers' warpers compute them.
 
-    ``logits`` is ``[R, V]`` fp32; the parameters are ``[R]``. Filtered entries become ``-inf``. ``top_p``
+    ``logits`` is ``[R, V]`` in any float dtype (a bf16 model's own logits: no fp32 copy first); the result is
+    fp32, each entry ``logits / temperature`` as transformers computes it on fp32 logits (a bf16 value widens
+    exactly). The parameters are ``[R]``. Filtered entries become ``-inf``. ``top_p``
     should be float64: transformers forms the cut-off ``1 - top_p`` from a Python float and only then
     rounds it to fp32, and a cut-off rounded differently drops different tokens at the boundary. Rows with
     ``top_p == 1`` skip top-p entirely, as in transformers. ``None`` skips a filter for every row (no full
     sort of the vocabulary for it: the common case, and two sorts of ``[256, V]`` cost more than the forward
     of a small model). ``max_top_k``: at least every row's top_k (0: none filters), known on the host, so each
     row's threshold (its k-th largest logit, transformers' cut-off) comes from one ``topk`` of that width
-    instead of a sort of the vocabulary (transformers' default top_k=50 against a 49K vocabulary).
+    instead of a sort of the vocabulary (transformers' default top_k=50 against a 49K vocabulary). The ``topk``
+    reads the logits as given, before the temperature: dividing by a positive temperature keeps the order, so
+    the k-th largest scaled logit is the scaled k-th largest, and a bf16 ``topk`` takes half the radix passes
+    of an fp32 one.
     """
     vocab_size = logits.shape[-1]
-    logits = logits / temperature[:, None]
+    scaled = logits / temperature[:, None]
     if top_k is not None and max_top_k > 0:
         width = min(max_top_k, vocab_size)
         k = top_k.clamp(max=width)
         largest = logits.topk(width, dim=-1).values  # descending
-        kth_largest = largest.gather(1, (k - 1).clamp(min=0)[:, None])
+        kth_largest = largest.gather(1, (k - 1).clamp(min=0)[:, None]) / temperature[:, None]
         kth_largest = torch.where(k[:, None] > 0, kth_largest, float("-inf"))  # top_k = 0: nothing filtered
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
     if top_p is None:
-        return logits
-    ascending, order = logits.sort(dim=-1, descending=False)
+        return scaled
+    ascending, order = scaled.sort(dim=-1, descending=False)
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
     cutoff = (1 - top_p.double()).to(cumulative.dtype)
     remove_sorted = (cumulative <= cutoff[:, None]) & (top_p < 1)[:, None]
     remove_sorted[:, -1] = False  # always keep the most likely token
     remove = remove_sorted.scatter(1, order, remove_sorted)
-    return logits.masked_fill(remove, float("-inf"))
+    return scaled.masked_fill(remove, float("-inf"))
 
 
 def warped_probs(
     logits: torch.Tensor, params: Sequence[SamplingParams], owner: np.ndarray | None = None
 ) -> torch.Tensor:
-    """Softmax of transformers-warped logits (``[R, V]`` fp32), row ``r`` warped by ``params[owner[r]]``
-    (``owner`` None: ``params[r]``); the per-row parameters are gathered with NumPy, not a loop per row."""
+    """Softmax of transformers-warped logits (``[R, V]``, any float dtype; fp32 probabilities), row ``r``
+    warped by ``params[owner[r]]`` (``owner`` None: ``params[r]``); the per-row parameters are gathered with
+    NumPy, not a loop per row."""
     owner = np.arange(len(params)) if owner is None else owner
     column = lambda values, dtype: np.fromiter(values, dtype, len(params))[owner]  # noqa: E731
     as_tensor = lambda values, dtype: to_device(values, logits.device, dtype)  # noqa: E731
@@ -92,7 +99,7 @@ def sample_tokens(
     params: Sequence[SamplingParams],
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One token per row of ``logits`` (``[R, V]`` fp32): argmax for greedy rows, multinomial otherwise."""
+    """One token per row of ``logits`` (``[R, V]``, any float dtype): argmax for greedy rows, multinomial otherwise."""
     tokens = logits.argmax(dim=-1)
     sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
     if sampled_rows:

@@ -31,6 +31,17 @@ def _requests() -> list[Request]:
     return requests
 
 
+def _general_selection(
+    requests: list[Request], logits: torch.Tensor, forward: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The general path's logits (stop tokens forbidden where the drawn token's output index is below
+    min_new_tokens) and the warped distributions of the three sampled requests."""
+    expected = logits.clone()
+    below = [i for i, r in enumerate(requests) if r.num_output_tokens + forward < r.params.min_new_tokens]
+    suppress_stop_tokens(expected, below, [requests[i].params.stop_token_ids for i in below])
+    return expected, warped_probs(expected[:3], [r.params for r in requests[:3]])
+
+
 def test_each_forward_samples_from_the_general_warped_distribution_and_keeps_it():
     requests = _requests()
     first_positions = [r.num_computed_tokens for r in requests]  # the round's first draft: its newest token
@@ -42,11 +53,7 @@ def test_each_forward_samples_from_the_general_warped_distribution_and_keeps_it(
         logits[0, [3, 7]] += 10  # request 0's stop tokens lead its top-k wherever they are allowed
         store = torch.zeros(8, K, VOCAB)
         tokens = sampling.select(logits, forward, store, generator)
-        # The general path: stop tokens forbidden where the drawn token's output index is below min_new_tokens.
-        expected = logits.clone()
-        below = [i for i, r in enumerate(requests) if r.num_output_tokens + forward < r.params.min_new_tokens]
-        suppress_stop_tokens(expected, below, [requests[i].params.stop_token_ids for i in below])
-        probs = warped_probs(expected[:3], [r.params for r in requests[:3]])
+        expected, probs = _general_selection(requests, logits, forward)
         for i in range(3):
             torch.testing.assert_close(store[store_rows[i], forward], probs[i])
             assert probs[i, tokens[i]] > 0
@@ -57,6 +64,27 @@ def test_each_forward_samples_from_the_general_warped_distribution_and_keeps_it(
         untouched = torch.ones(8, dtype=torch.bool)
         untouched[store_rows] = False
         assert not store[untouched].any() and not store[:, [c for c in range(K) if c != forward]].any()
+
+
+def test_requests_that_all_filter_by_top_k_warp_over_their_support_alone():
+    """With top-k on every sampled request the draft warps the ``max_top_k`` most likely tokens only: the same
+    distribution as the general path (random logits: no tie at a row's k-th largest), zeros elsewhere, in the
+    model's dtype (bf16 logits are widened as transformers' fp32 path widens them)."""
+    requests = _requests()
+    requests[1].params = SamplingParams(max_new_tokens=20, do_sample=True, temperature=1.3, top_k=3,
+                                        stop_token_ids=(1,))  # fmt: skip
+    sampling = DraftSampling.of(requests, [r.num_computed_tokens for r in requests], [5, 0, 2, 7], torch.device("cpu"))
+    assert sampling.support == 9
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for forward in range(1, K):
+            logits = torch.randn(len(requests), VOCAB, generator=torch.Generator().manual_seed(forward)).to(dtype)
+            logits[0, [3, 7]] += 10
+            store = torch.zeros(8, K, VOCAB)
+            tokens = sampling.select(logits, forward, store, generator)
+            expected, probs = _general_selection(requests, logits.float(), forward)
+            torch.testing.assert_close(store[[5, 0, 2], forward], probs)
+            assert all(probs[i, tokens[i]] > 0 for i in range(3)) and tokens[3] == expected[3].argmax()
 
 
 def test_a_prefix_keeps_the_first_requests_columns():

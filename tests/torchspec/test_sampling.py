@@ -143,6 +143,19 @@ def test_warp_top_p_off_keeps_negligible_tokens(temperature):
     _assert_rows_match_transformers(logits, [(temperature, 0, 1.0), (temperature, 0, 1.0)])
 
 
+def test_warp_of_bf16_logits_matches_transformers_on_their_fp32_copy():
+    """A bf16 model's logits go in as they are: the result is transformers' warping of their fp32 copy, bit for
+    bit, ties at the k-th largest included (bf16 logits tie often; each row here holds a run of equal values
+    across its top-k boundary, and its temperature is not a power of two)."""
+    logits = _random_logits(4, seed=11).to(torch.bfloat16)
+    logits[:, 100:108] = logits.float().topk(10, dim=-1).values[:, 6:7].to(torch.bfloat16)  # ties around rank 7
+    params = [(0.65, 10, 1.0), (1.3, 8, 0.9), (0.7, 0, 0.8), (0.9, 12, 1.0)]
+    warped = _warp(logits, params)
+    assert warped.dtype == torch.float32
+    for row, (t, k, p) in enumerate(params):
+        assert torch.equal(warped[row], _hf_warp(logits[row].float(), t, k, p)), f"row {row}"
+
+
 def test_warp_does_not_modify_its_input():
     """warp_logits returns a new tensor and leaves the caller's logits intact."""
     logits = _random_logits(4, seed=3)

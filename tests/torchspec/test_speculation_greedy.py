@@ -732,8 +732,8 @@ def test_pillar_pattern_is_top_k_of_the_verify_mass(spec, monkeypatch):
         assert len(mass) == len(full_layers)
         for layer_mass in mass:
             assert layer_mass.shape == (num_kv_heads, context)
-            # Each query's probabilities sum to 1, and so does their average.
-            torch.testing.assert_close(layer_mass.sum(dim=-1), torch.ones(num_kv_heads))
+            # Each query's probabilities sum to 1, and so does their average (each kept to fp16's precision).
+            torch.testing.assert_close(layer_mass.float().sum(dim=-1), torch.ones(num_kv_heads), rtol=0, atol=2e-3)
         budget = policy.budget(context)
         size = min(first_query, max(0, budget - num_queries))
         if size == first_query:

@@ -182,6 +182,20 @@ UNIT_CASES = [
 ]
 
 
+def _accept(
+    target: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor, num_drafts: torch.Tensor, generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_sampled on rounds given as ``[J, n + 1, V]`` targets and ``[J, n, V]`` drafts, laid out as the
+    runner hands them over: target rows in one ``[J * (n + 1), V]`` tensor, drafts in a store of more rows (round
+    j in row 2j + 1) and more drafts than the rounds have (one spare column of noise the rule must not read)."""
+    rounds, n = drafts.shape
+    target_rows = torch.arange(rounds * (n + 1)).view(rounds, n + 1)
+    store = torch.rand(2 * rounds + 1, n + 1, target.shape[-1], generator=torch.Generator().manual_seed(5))
+    store[1::2, :n] = draft_probs
+    draft_rows = torch.arange(rounds) * 2 + 1
+    return accept_sampled(target.flatten(0, 1), target_rows, drafts, store, draft_rows, num_drafts, generator)
+
+
 @pytest.mark.parametrize("name", UNIT_CASES)
 def test_accept_sampled_is_exact(name):
     """Two drafts d1 ~ q0, d2 ~ q1[d1] verified against p0, p1[d1] and p2[d1, d2]: the emitted tokens are
@@ -205,7 +219,7 @@ def test_accept_sampled_is_exact(name):
     target = torch.stack([p0.expand(UNIT_TRIALS, -1), p1[d1], p2[d1, d2]], dim=1).float()
     draft_probs = torch.stack([q0.expand(UNIT_TRIALS, -1), q1[d1]], dim=1).float()
     num_drafts = torch.full((UNIT_TRIALS,), 2)
-    accepted, next_token = accept_sampled(
+    accepted, next_token = _accept(
         target, torch.stack([d1, d2], dim=1), draft_probs, num_drafts, torch.Generator().manual_seed(99)
     )
     emitted, first_accepted = [], 0
@@ -243,7 +257,7 @@ def test_accept_sampled_never_accepts_a_zero_probability_draft(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.zeros(*shape, dtype=torch.float32))
     target = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
     for draft_probs in (torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.4, 0.3, 0.3])):
-        accepted, next_token = accept_sampled(
+        accepted, next_token = _accept(
             target[None],
             torch.tensor([[0]]),
             draft_probs[None, None],

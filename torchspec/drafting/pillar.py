@@ -110,7 +110,8 @@ class PillarPolicy(DraftPolicy):
         scores = mass[:, :, row_index(list(rows), device), : positions.shape[0]]  # [layers, Hkv, J, width]
         scores = scores.masked_fill(~candidate, float("-inf"))
         ranks = torch.arange(max(counts), device=device)
-        picks = scores.topk(max(counts), dim=-1).indices.permute(2, 0, 1, 3)  # [J, layers, Hkv, max count]
+        # int32 positions: the successor expansion's sort of 23,040 rows (W1) then takes half the radix passes.
+        picks = scores.topk(max(counts), dim=-1).indices.int().permute(2, 0, 1, 3)  # [J, layers, Hkv, max count]
         picks = torch.where(ranks < count[:, :, None, None], picks, -1)
         patterns = _expand_successors(picks, span, old[:, :, None, None])  # -1 padding sorts first
         # Each request's rows trimmed to its own Top-K: one slice and one unbind per distinct width (a batch's
@@ -154,7 +155,8 @@ def _expand_successors(picks: torch.Tensor, span: int, limit: int) -> torch.Tens
     the successors of -1 picks become -1 (padding that attention skips), so every row keeps the same length."""
     if span == 1:
         return picks.sort(dim=-1).values
-    positions = torch.where(picks[..., None] >= 0, picks[..., None] + torch.arange(span, device=picks.device), -1)
+    successors = torch.arange(span, dtype=picks.dtype, device=picks.device)
+    positions = torch.where(picks[..., None] >= 0, picks[..., None] + successors, -1)
     positions = positions.flatten(-2).sort(dim=-1).values
     repeated = torch.zeros_like(positions, dtype=torch.bool)
     repeated[..., 1:] = positions[..., 1:] == positions[..., :-1]
