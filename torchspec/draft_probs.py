@@ -1,19 +1,16 @@
 """The warped distributions of a round's drafts, kept on the device from the draft steps to the verify.
 
-Rejection sampling needs, at the verify, the distribution q each draft token was sampled from. Each step writes
-the rows of all its sampled draft requests at once into one ``[rows, k, V]`` buffer (row: the request's
-slot-table row; column: the draft's index in its round) and the verify's rejection sampling gathers what it
-needs from it (each draft's q, and the q of a rejected draft). Keeping a tensor per draft instead cost a view
-per draft and a stack per verify: hundreds of small host-side ops per step at batch 256.
+Rejection sampling needs, at the verify, the distribution q each draft token was sampled from. Each draft
+forward writes the rows of all its draft requests at once into one ``[rows, k, V]`` buffer (row: the request's
+slot-table row; column: the draft's index in its round; ``DraftSampling.select``) and the verify's rejection
+sampling gathers what it needs from it (each draft's q, and the q of a rejected draft). Keeping a tensor per
+draft instead cost a view per draft and a stack per verify: hundreds of small host-side ops per step at batch
+256.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-
-from torchspec.transfer import to_device
 
 
 class DraftProbsStore:
@@ -23,13 +20,6 @@ class DraftProbsStore:
         self.k = k
         self.device = device
         self.probs: torch.Tensor | None = None
-
-    def write(self, rows: Sequence[int], draft_indices: Sequence[int], probs: torch.Tensor) -> None:
-        """Store ``probs[i]`` as draft ``draft_indices[i]`` of the request in slot-table row ``rows[i]``."""
-        if not rows:
-            return
-        self.reserve(max(rows) + 1, probs.shape[-1])
-        self.probs.index_put_(to_device([rows, draft_indices], self.device).unbind(0), probs)
 
     def reserve(self, rows: int, vocab_size: int) -> None:
         """Room for ``rows`` rows of ``vocab_size`` entries (rows double; what the buffer held is kept)."""

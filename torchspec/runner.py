@@ -273,9 +273,10 @@ class Runner:
         input_ids, position_ids, metadata = self.build_metadata(plan)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
         self._learn_from_verify(plan, metadata)
-        picks = self._pick(plan, logits, first_row)
+        sampling = self._draft_sampling(drafts, logits.shape[-1])
+        picks = self._pick(plan, logits, first_row, sampling=sampling)
         chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
-        later, later_forwards = self._later_drafts(drafts, chain[0], logits.shape[-1])
+        later, later_forwards = self._later_drafts(drafts, chain[0], sampling)
         chain += later
         if drafts_span is not None:
             drafts_span.stop()
@@ -349,8 +350,20 @@ class Runner:
             index = self._tensor([sampled, sampled_table_rows])
             self.table.last_tokens[index[1]] = picks.next_token[index[0]]
 
+    def _draft_sampling(self, drafts: Sequence[ScheduledRequest], vocab_size: int) -> DraftSampling | None:
+        """The sampling columns of the step's draft chains (None without drafts), every forward of a chain
+        selecting from them; and room in the draft-probs store for their rows, the chain graph's spare row
+        included."""
+        if not drafts:
+            return None
+        rows = [self.table.row(item.request) for item in drafts]
+        spare = self.max_batch_size if self.chain_graphs is not None else 0
+        self.draft_probs.reserve(max(*rows, spare) + 1, vocab_size)  # before any forward writes: never regrown
+        first_positions = [item.first_position for item in drafts]
+        return DraftSampling.of([item.request for item in drafts], first_positions, rows, self.device)
+
     def _later_drafts(
-        self, drafts: Sequence[ScheduledRequest], first: torch.Tensor, vocab_size: int
+        self, drafts: Sequence[ScheduledRequest], first: torch.Tensor, sampling: DraftSampling | None
     ) -> tuple[list[torch.Tensor], int]:
         """The tokens of the later forwards of the step's draft chains (forward j holds the drafts whose chain
         is longer than j: a prefix, as drafts are sorted longest chain first), each forward fed the previous
@@ -381,13 +394,10 @@ class Runner:
         if not self.policy.selects_in_attention:
             lists, offsets = self._policy_lists(requests, rows, positions)
         # Sampled once per forward from the round's columns: the chain graph's ops, or the same ops per forward.
-        sampling = DraftSampling.of([item.request for item in drafts], first_positions, draft_rows, self.device)
         if self._chain_graph_runs(drafts, draft_rows):
-            self.draft_probs.reserve(self.max_batch_size + 1, vocab_size)  # a fixed store the graph writes
             inputs = self._chain_inputs(counts, first, layout, lists, offsets, sampling)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
             return [tokens[j, :count] for j, count in enumerate(counts)], self.num_draft_slots - 1
-        self.draft_probs.reserve(max(draft_rows) + 1, vocab_size)
         max_list_len = self._max_list_len(drafts)
         chain = [first]
         metadata = self._chain_metadata(drafts, counts, layout, lists, offsets)
@@ -561,11 +571,17 @@ class Runner:
         self.policy.on_verifies(requests, stacked, rows, contexts, first_queries)
 
     def _pick(
-        self, plan: StepPlan, logits: torch.Tensor, first_row: list[int], drafted: torch.Tensor | None = None
+        self,
+        plan: StepPlan,
+        logits: torch.Tensor,
+        first_row: list[int],
+        drafted: torch.Tensor | None = None,
+        sampling: DraftSampling | None = None,
     ) -> _Picks:
         """Tokens from the logits rows of each request, on the device: draft samples, verified tokens (see
         speculative.py). ``drafted``: the verifies' drafts on the device (``[requests, n]``, a round verified in
-        the step that drafted it), else the host's.
+        the step that drafted it), else the host's. ``sampling``: the draft requests' columns (given when the
+        plan has drafts), which select their tokens as every later forward of their chains does.
 
         Every random draw covers the whole forward at once, and nothing is read back here: per-request draws
         would cost a host round trip each, which for hundreds of requests costs more than the forward. The
@@ -588,24 +604,18 @@ class Runner:
         stops = [p.stop_token_ids for p in params]
         suppress_stop_tokens(logits, below_minimum, [stops[i] for i in owner[below_minimum].tolist()])
         greedy = np.fromiter((p.greedy for p in params), bool, num_items)
-        sampled_rows = np.flatnonzero(~greedy[owner])
+        is_draft = np.fromiter((item.phase is Phase.DRAFT for item in items), bool, num_items)
+        sampled_rows = np.flatnonzero(~greedy[owner] & ~is_draft[owner])
         prob_index = np.full(owner.size, -1, dtype=np.int64)  # each sampled row's row in ``probs``
         prob_index[sampled_rows] = np.arange(sampled_rows.size)
         probs = None
         if sampled_rows.size:
             probs = warped_probs(logits[row_index(sampled_rows.tolist(), self.device)], params, owner[sampled_rows])
         tokens = logits.argmax(dim=-1)
-        is_draft = np.fromiter((item.phase is Phase.DRAFT for item in items), bool, num_items)
         drafts = np.flatnonzero(is_draft)
-        sampled_drafts = drafts[~greedy[drafts]]
-        if sampled_drafts.size:
-            draft_probs = probs[row_index(prob_index[first[sampled_drafts]].tolist(), self.device)]
-            draws = torch.multinomial(draft_probs, 1, generator=self.generator)
-            tokens[row_index(first[sampled_drafts].tolist(), self.device)] = draws[:, 0]
-            table_rows = [self.table.row(items[i].request) for i in sampled_drafts]
-            # A draft's index in its round: its position past the newest accepted token.
-            indices = [items[i].first_position - items[i].request.num_computed_tokens for i in sampled_drafts]
-            self.draft_probs.write(table_rows, indices, draft_probs)
+        if drafts.size:
+            rows = row_index(first[drafts].tolist(), self.device)
+            tokens[rows] = sampling.select(logits[rows], 0, self.draft_probs.probs, self.generator)
         verifies = [(i, items[i], first_row[i]) for i in np.flatnonzero((counts > 0) & ~is_draft & ~greedy).tolist()]
         accepted, next_token = None, None
         if verifies:
