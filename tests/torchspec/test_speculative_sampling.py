@@ -268,6 +268,34 @@ def test_accept_sampled_never_accepts_a_zero_probability_draft(monkeypatch):
         assert int(next_token) != 0
 
 
+def test_accept_sampled_reads_no_distribution_past_a_rounds_drafts():
+    """Rounds with fewer drafts than the widest (a final prompt chunk beside full rounds) keep whatever the store
+    holds past their drafts: the rule must read neither p nor q there. Round 0 drafts token 2 with p = q (always
+    accepted) and then takes its bonus from the target row after it, [0.5, 0.5, 0, ...]; the store's column
+    past its draft holds q = one-hot(0), which a wrong correction would subtract (never emitting token 0). Round
+    1 has no drafts at all: its next token comes from its first target row alone."""
+    trials, vocab = 4000, UNIT_VOCAB
+    target = torch.zeros(2 * trials, 3, vocab)
+    target[:, 0, 2] = 1.0
+    target[:, 1, :2] = 0.5
+    target[:, 2] = 1.0 / vocab  # padding row: never read
+    target[trials:, 0] = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    store = torch.zeros(2 * trials, 2, vocab)
+    store[:, 0, 2] = 1.0
+    store[:, 1, 0] = 1.0  # past every round's drafts: noise the rule must not read
+    drafts = torch.tensor([[2, 0]]).expand(2 * trials, -1)
+    num_drafts = torch.cat([torch.ones(trials, dtype=torch.long), torch.zeros(trials, dtype=torch.long)])
+    target_rows = torch.arange(2 * trials)[:, None] * 3 + torch.minimum(torch.arange(3), num_drafts[:, None])
+    accepted, next_token = accept_sampled(
+        target.flatten(0, 1), target_rows, drafts, store, torch.arange(2 * trials), num_drafts,
+        torch.Generator().manual_seed(3),
+    )  # fmt: skip
+    assert accepted[:trials].eq(1).all() and accepted[trials:].eq(0).all()
+    assert next_token[trials:].eq(4).all(), "a round without drafts must sample its first target row"
+    zeros = int(next_token[:trials].eq(0).sum())
+    assert next_token[:trials].lt(2).all() and binomial_p_value(zeros, trials, 0.5) > 1e-6, zeros
+
+
 # -- the engine end to end -----------------------------------------------------------------------------------------
 
 VOCAB = 16
