@@ -273,10 +273,11 @@ class Runner:
         input_ids, position_ids, metadata = self.build_metadata(plan)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
         self._learn_from_verify(plan, metadata)
-        sampling = self._draft_sampling(drafts, logits.shape[-1])
+        draft_rows = [self.table.row(item.request) for item in drafts]  # their slot-table and store rows
+        sampling = self._draft_sampling(drafts, draft_rows, logits.shape[-1])
         picks = self._pick(plan, logits, first_row, sampling=sampling)
         chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
-        later, later_forwards = self._later_drafts(drafts, chain[0], sampling)
+        later, later_forwards = self._later_drafts(drafts, draft_rows, chain[0], sampling)
         chain += later
         if drafts_span is not None:
             drafts_span.stop()
@@ -350,20 +351,25 @@ class Runner:
             index = self._tensor([sampled, sampled_table_rows])
             self.table.last_tokens[index[1]] = picks.next_token[index[0]]
 
-    def _draft_sampling(self, drafts: Sequence[ScheduledRequest], vocab_size: int) -> DraftSampling | None:
-        """The sampling columns of the step's draft chains (None without drafts), every forward of a chain
-        selecting from them; and room in the draft-probs store for their rows, the chain graph's spare row
-        included."""
+    def _draft_sampling(
+        self, drafts: Sequence[ScheduledRequest], rows: Sequence[int], vocab_size: int
+    ) -> DraftSampling | None:
+        """The sampling columns of the step's draft chains (None without drafts; ``rows``: their slot-table
+        rows), every forward of a chain selecting from them; and room in the draft-probs store for their rows,
+        the chain graph's spare row included."""
         if not drafts:
             return None
-        rows = [self.table.row(item.request) for item in drafts]
         spare = self.max_batch_size if self.chain_graphs is not None else 0
         self.draft_probs.reserve(max(*rows, spare) + 1, vocab_size)  # before any forward writes: never regrown
         first_positions = [item.first_position for item in drafts]
         return DraftSampling.of([item.request for item in drafts], first_positions, rows, self.device)
 
     def _later_drafts(
-        self, drafts: Sequence[ScheduledRequest], first: torch.Tensor, sampling: DraftSampling | None
+        self,
+        drafts: Sequence[ScheduledRequest],
+        draft_rows: Sequence[int],
+        first: torch.Tensor,
+        sampling: DraftSampling | None,
     ) -> tuple[list[torch.Tensor], int]:
         """The tokens of the later forwards of the step's draft chains (forward j holds the drafts whose chain
         is longer than j: a prefix, as drafts are sorted longest chain first), each forward fed the previous
@@ -383,7 +389,6 @@ class Runner:
         entry_positions = first_positions[owner] + np.repeat(np.arange(1, longest), counts)
         positions = entry_positions.tolist()
         requests = [drafts[i].request for i in owner.tolist()]
-        draft_rows = [self.table.row(item.request) for item in drafts]
         entry_rows = np.array(draft_rows)[owner]
         rows = entry_rows.tolist()
         slots = np.fromiter((r.slots[p] for r, p in zip(requests, positions, strict=True)), np.int64, len(positions))
