@@ -103,22 +103,15 @@ class Runner:
         total = int(cu_seqlens_q[-1])
         owner = np.repeat(np.arange(count), lengths)  # each query token's request
         positions = starts[owner] + np.arange(total) - cu_seqlens_q[owner]
-        slot_mapping = np.fromiter(
-            itertools.chain.from_iterable(
-                item.request.slots[start : start + length]
-                for item, start, length in zip(items, starts.tolist(), lengths.tolist(), strict=True)
-            ),
-            np.int64,
-            total,
-        )
-        # One transfer for the step's per-token inputs: positions, slots, slot-table rows (and token ids).
-        columns = [positions, slot_mapping, np.asarray(rows, dtype=np.int64)[owner]]
+        # One transfer for the step's per-token inputs: positions, slot-table rows (and token ids); the slots
+        # come from the table.
+        columns = [positions, np.asarray(rows, dtype=np.int64)[owner]]
         if input_ids is None:
             tokens = itertools.chain.from_iterable(item.query_token_ids() for item in items)
             columns.append(np.fromiter(tokens, np.int64, total))
         per_token = self._tensor(np.stack(columns))
-        position_ids, slots = per_token[0], per_token[1]
-        self.table.write(per_token[2], position_ids, slots, end=int(positions.max()) + 1)
+        position_ids = per_token[0]
+        slots = self.table.slots[per_token[1], position_ids]
         ends = (starts + lengths).tolist()
         starts = starts.tolist()
         num_drafts = plan.num_drafts
@@ -140,7 +133,7 @@ class Runner:
             max_q_len=int(lengths.max()),
             max_scored_queries=max(scored, default=0),
         )
-        ids = per_token[3] if input_ids is None else input_ids
+        ids = per_token[2] if input_ids is None else input_ids
         # Tokens whose input is the in-flight step's token, on the device (delayed verification).
         fed = [(int(cu_seqlens_q[i]), rows[i]) for i, item in enumerate(items) if item.fed]
         if fed:
@@ -373,7 +366,7 @@ class Runner:
     ) -> tuple[list[torch.Tensor], int]:
         """The tokens of the later forwards of the step's draft chains (forward j holds the drafts whose chain
         is longer than j: a prefix, as drafts are sorted longest chain first), each forward fed the previous
-        one's tokens on the device. Their slots and draft lists are built together (one slot-table write and
+        one's tokens on the device. Their slots and draft lists are built together (one slot-table lookup and
         one list build for all forwards); then one chain-graph replay runs them all where it can, else one
         forward per draft. Also returns how many forwards ran: a chain graph runs all k - 1, however short the
         chains."""
@@ -391,10 +384,8 @@ class Runner:
         requests = [drafts[i].request for i in owner.tolist()]
         entry_rows = np.array(draft_rows)[owner]
         rows = entry_rows.tolist()
-        slots = np.fromiter((r.slots[p] for r, p in zip(requests, positions, strict=True)), np.int64, len(positions))
-        sent = self._tensor(np.stack([entry_positions, slots, entry_rows]))
-        self.table.write(sent[2], sent[0], sent[1], end=int(entry_positions.max()) + 1)
-        layout = sent[:2]  # positions, slots
+        sent = self._tensor(np.stack([entry_positions, entry_rows]))
+        layout = torch.stack([sent[0], self.table.slots[sent[1], sent[0]]])  # positions, slots
         lists, offsets = None, None
         if not self.policy.selects_in_attention:
             lists, offsets = self._policy_lists(requests, rows, positions)

@@ -28,8 +28,9 @@ batch's verifies stay spread over a round's phases and each step is one forward 
 the rest drafting: one steady shape, where requests left in phase make k draft forwards and then one verify
 forward of the whole batch.
 
-Admission reserves a request's worst-case KV need (prompt + max_new_tokens + k draft slots), so a running
-request never runs out of slots and nothing is evicted or recomputed: requests that do not fit wait.
+Admission gives a request the slots of its worst-case KV need (prompt + max_new_tokens + k draft slots), one
+per position it may ever compute, so a running request never runs out of slots, nothing is evicted or
+recomputed, and a position's slot is known before any step computes it: requests that do not fit wait.
 """
 
 from __future__ import annotations
@@ -173,7 +174,6 @@ class Scheduler:
         self._length = self.k  # drafts of the rounds the current step starts (chosen once per step)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._reserved_slots = 0
 
     def add(self, request: Request) -> None:
         """Queue a request; it must fit the pool on its own (the caller checks, with a clear error)."""
@@ -226,9 +226,6 @@ class Scheduler:
                 break
             budget = max(0, budget - item.num_query_tokens)
             verify_budget -= item.verify_tokens
-            missing = item.end_position - len(request.slots)  # slots up to the last position computed
-            if missing > 0:
-                request.slots.extend(self.allocator.allocate(missing))
             scheduled.append(item)
         # Drafts first, longest chain first: a chain's later forwards then hold a prefix of the step's drafts.
         scheduled.sort(key=lambda item: (item.phase is not Phase.DRAFT, -item.chain))
@@ -316,10 +313,10 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
-            if self._reserved_slots + self.reservation(request) > self.allocator.num_slots:
+            if self.reservation(request) > self.allocator.num_free:
                 break
             self.waiting.popleft()
-            self._reserved_slots += self.reservation(request)
+            request.slots = self.allocator.allocate(self.reservation(request))  # every position it may compute
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
@@ -349,11 +346,8 @@ class Scheduler:
                 if request.round.tokens:
                     self.policy.on_round_end(request, result.num_accepted)
                 # The newest token and the accepted drafts keep their (exact, verified) K/V; the rejected drafts'
-                # slots go back (slots past them belong to the step in flight, if any).
+                # positions are computed again by a later step, into the same slots.
                 request.num_computed_tokens += 1 + result.num_accepted
-                rejected = slice(request.num_computed_tokens, item.end_position)
-                self.allocator.free(request.slots[rejected])
-                del request.slots[rejected]
             if request.round.length is not None:  # a round ran: the next one starts afresh
                 request.round = DraftRound(pattern=request.round.pattern, recent_start=request.round.recent_start)
             if self._append(request, result.tokens):
@@ -388,10 +382,9 @@ class Scheduler:
         return False
 
     def finish(self, request: Request, reason: FinishReason) -> None:
-        """End a running request at once and give its slots and reservation back."""
+        """End a running request at once and give its slots back."""
         request.finish(reason)
         self.running.remove(request)
         self._phased.discard(id(request))
         self.allocator.free(request.slots)
         request.slots = []
-        self._reserved_slots -= self.reservation(request)

@@ -1,11 +1,10 @@
-"""A device-side copy of every running request's slot list, so a step's slot lists are gathered on the device.
+"""A device-side copy of every running request's slot list, so a step's slots and slot lists are gathered on
+the device.
 
-The host keeps ``Request.slots`` (the truth the scheduler allocates and frees); each step writes the slots
-of the positions it computes into this table, in the same step that writes their K/V. A position is only
-ever read after a step has computed it, and a freed draft position is recomputed (and rewritten here)
-before any later step reads it, so the table always agrees with the host lists where it is read. This
-replaces copying every request's whole slot list to the device each step (the host cost grew with the total
-context: ~1M entries per step at 256 requests x 4K tokens) with work that grows with the batch only.
+A request holds the slots of every position it may ever compute from its admission on (``Request.slots``,
+its worst case, which admission reserves anyway), so its row is written once, when it gets one, and every
+step reads the slots of its positions from here: the host builds no slot list per step (the host cost grew
+with the step's tokens) and never needs to know a position's slot before the device does.
 
 Each row also holds the newest token its request emitted when that is a single token (``last_tokens``), so a
 step can be fed the token of the step before it without the host reading it first (delayed verification).
@@ -38,11 +37,16 @@ class SlotTable:
         self._free_rows = list(range(self.slots.shape[0] - 1, -1, -1))
 
     def row(self, request: Request) -> int:
+        """The request's row; on first use, one is assigned and the request's slots written to it."""
         key = id(request)
         if key not in self._rows:
             if not self._free_rows:
                 self._grow(rows=max(8, 2 * self.slots.shape[0]), width=self.slots.shape[1])
-            self._rows[key] = self._free_rows.pop()
+            row = self._rows[key] = self._free_rows.pop()
+            count = len(request.slots)
+            if count > self.slots.shape[1]:
+                self._grow(rows=self.slots.shape[0], width=max(count, 2 * self.slots.shape[1], 256))
+            self.slots[row, :count] = to_device(request.slots, self.device)
         return self._rows[key]
 
     def release(self, request: Request) -> None:
@@ -60,14 +64,6 @@ class SlotTable:
         last_tokens[:old_rows] = self.last_tokens
         self.last_tokens = last_tokens
         self._free_rows = list(range(rows - 1, old_rows - 1, -1)) + self._free_rows
-
-    def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, end: int) -> None:
-        """Record the slots of the positions a step computes (all three on the device, sent by the caller
-        with the rest of its step's inputs); ``end``: one past the largest position, from the host, so the
-        table grows without reading the device."""
-        if end > self.slots.shape[1]:
-            self._grow(rows=self.slots.shape[0], width=max(end, 2 * self.slots.shape[1], 256))
-        self.slots[rows, positions] = slots
 
     def gather(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> tuple[list[int], torch.Tensor]:
         """Concatenated slots of positions ``[starts[i], ends[i])`` of each row: an indptr (host) and the

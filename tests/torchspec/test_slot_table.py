@@ -8,38 +8,27 @@ from torchspec.request import Request, SamplingParams
 from torchspec.slot_table import SlotTable
 
 
-def _request(request_id: int) -> Request:
-    return Request(request_id=request_id, prompt_ids=[1, 2, 3], params=SamplingParams())
+def _request(request_id: int, slots: list[int] | None = None) -> Request:
+    request = Request(request_id=request_id, prompt_ids=[1, 2, 3], params=SamplingParams())
+    request.slots = slots or []
+    return request
 
 
-def test_gather_and_lookup_follow_the_written_slots_through_growth_and_reuse():
-    """Rows are written step by step past the initial width and row count (the table grows, keeping what it
-    holds); a rewritten position reads its newest slot; gather returns each row's requested range in order;
-    lookup keeps -1 padding; a released row is handed to the next request.
+def test_gather_and_lookup_follow_the_requests_slots_through_growth_and_reuse():
+    """Each request's slots are written when it first gets a row, past the initial width and row count (the
+    table grows, keeping what it holds); gather returns each row's requested range in order; lookup keeps -1
+    padding; a released row is handed to the next request, which reads its own slots there.
 
     Protects the runner's slot lists: a stale or misplaced entry would make attention read another token's
     K/V without any error."""
     table = SlotTable(torch.device("cpu"))
-    requests = [_request(i) for i in range(10)]
-    truth: dict[int, list[int]] = {}
     generator = torch.Generator().manual_seed(0)
-    for step in range(3):
-        rows, positions, slots = [], [], []
-        for request in requests:
-            row = table.row(request)
-            length = 100 * (step + 1) + request.request_id
-            start = len(truth.get(row, []))
-            new = torch.randint(0, 10_000, (length - start,), generator=generator).tolist()
-            truth[row] = truth.get(row, []) + new
-            rows += [row] * len(new)
-            positions += list(range(start, length))
-            slots += new
-        table.write(torch.tensor(rows), torch.tensor(positions), torch.tensor(slots), max(positions) + 1)
-    # a verify rewrites the last two positions of request 3 with new slots
-    row3 = table.row(requests[3])
-    last = len(truth[row3])
-    table.write(torch.tensor([row3, row3]), torch.tensor([last - 2, last - 1]), torch.tensor([7, 8]), last)
-    truth[row3][-2:] = [7, 8]
+    truth: dict[int, list[int]] = {}
+    requests = []
+    for i in range(10):  # longer and longer: the width grows while rows are held
+        slots = torch.randint(0, 10_000, (100 * i + 7,), generator=generator).tolist()
+        requests.append(_request(i, slots))
+        truth[table.row(requests[-1])] = slots
 
     rows = [table.row(r) for r in requests]
     starts = [r.request_id for r in requests]
@@ -57,7 +46,9 @@ def test_gather_and_lookup_follow_the_written_slots_through_growth_and_reuse():
     ]
 
     table.release(requests[2])
-    assert table.row(_request(99)) == rows[2]
+    newcomer = _request(99, [5, 6, 7])
+    assert table.row(newcomer) == rows[2]
+    assert table.gather([rows[2]], [0], [3])[1].tolist() == [5, 6, 7]
     table.reset()
     fresh = [_request(100 + i) for i in range(10)]
     assert sorted(table.row(r) for r in fresh) == list(range(10))
