@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchspec.cuda_graphs import StepGraphs, capture_graph
+from torchspec.cuda_graphs import StepGraphs
 from torchspec.draft_sampling import DraftSampling
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 
@@ -67,6 +67,7 @@ class ChainGraphs:
         self.buckets = steps.buckets
         self.device = steps.device
         self.capture = steps.capture
+        self.captures = steps.captures  # one log for both kinds of graph
         self.k = k
         self.generator = generator
         self._steps: dict[int, _ChainStep] = {}
@@ -180,4 +181,4 @@ class ChainGraphs:
             tokens[j] = static.sampling.select(output.logits[0], j, step.store, self.generator)
 
     def _capture(self, step: _ChainStep) -> None:
-        step.graph, _ = capture_graph(lambda: self._run(step))
+        step.graph, _ = self.captures.capture(lambda: self._run(step))

@@ -53,10 +53,14 @@ class SpecConfig:
         delayed_verify: launch each step before reading the previous one back, so the host's reading,
             bookkeeping and planning overlap the GPU's work; stop conditions then apply one step late and the
             token made past a stop is discarded (same tokens, same distribution). Without speculation every step
-            emits one token per request, and the next step is fed it on the device. With speculation a request's
-            next round is placed from its accepted count, so the decoding requests alternate in two halves: one
-            half's rounds run while the host reads back and plans the other's. ``None`` = on without speculation
-            only: on W1 (H200, 256 requests) the halves ran at 0.86x the synchronous loop (docs/performance.md).
+            emits one token per request, and the next step is fed it on the device. With draft chains whose lists
+            the runner places (every policy but those choosing inside attention, on models without sliding
+            windows) a request's next round launches while its last one is in flight, starting where the device
+            knows that round ends (rounds ahead); otherwise the decoding requests alternate in two halves, one
+            half's rounds running while the host reads back and plans the other's. ``None`` = on without
+            speculation, and on CUDA with rounds ahead: on W1 (H200, 256 requests) rounds ahead ran at 1.10x the
+            synchronous loop, the halves at 0.86x (docs/performance.md); elsewhere speculation keeps the
+            synchronous loop, reproducible step for step.
         unified_schedule: the paper's unified phase buckets: each request's first round is cut short so that
             the decoding requests' rounds are spread over the k + 1 phases of a round, and every step (one
             forward, one draft token per request) holds about 1 / (k + 1) of them verifying and the rest

@@ -18,6 +18,7 @@ On a CPU the same static path runs without capture (tested in CI: same tokens as
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -83,6 +84,7 @@ class StepGraphs:
         self.capture = device.type == "cuda"
         self._steps: dict[tuple[int, int], _StaticStep] = {}
         self._last: _StaticStep | None = None  # the bucket replayed most recently
+        self.captures = CaptureLog()
 
     def eligible(self, metadata: AttentionMetadata, prefill: bool) -> bool:
         """No prefill chunk, no query longer than a verify, nothing chosen inside the forward (query-aware
@@ -239,7 +241,7 @@ class StepGraphs:
         return output.logits[0]
 
     def _capture(self, step: _StaticStep) -> None:
-        step.graph, step.logits = capture_graph(lambda: self._run_forward(step))
+        step.graph, step.logits = self.captures.capture(lambda: self._run_forward(step))
 
     def replay_latest(self, repeats: int) -> None:
         """Replay the latest bucket's graph ``repeats`` times back to back, with no host work in between (for
@@ -260,6 +262,23 @@ class StepGraphs:
     @property
     def num_captured(self) -> int:
         return sum(step.graph is not None for step in self._steps.values())
+
+
+@dataclass
+class CaptureLog:
+    """Graph captures so far and the host seconds they took (a draining batch captures at new buckets; the
+    throughput benchmark reports both)."""
+
+    count: int = 0
+    seconds: float = 0.0
+
+    def capture(self, run: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        """``capture_graph(run)``, counted."""
+        start = time.perf_counter()
+        captured = capture_graph(run)
+        self.count += 1
+        self.seconds += time.perf_counter() - start
+        return captured
 
 
 def capture_graph(run: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:

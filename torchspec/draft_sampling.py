@@ -44,11 +44,13 @@ class DraftSampling:
         requests: Sequence[Request],
         first_positions: Sequence[int],
         store_rows: Sequence[int],
+        store_columns: Sequence[int],
         device: torch.device,
     ) -> DraftSampling:
         """The columns of chains whose forward 0 draws the token at ``first_positions[i]`` + 1 of
-        ``requests[i]``, kept in draft-probs store row ``store_rows[i]``: one copy of integers, one of
-        temperatures (and one of top-p values when some request filters by it)."""
+        ``requests[i]``, kept in draft-probs store row ``store_rows[i]`` from column ``store_columns[i]`` (the
+        drafts its round made before): one copy of integers, one of temperatures (and one of top-p values when
+        some request filters by it)."""
         count = len(requests)
         params = [request.params for request in requests]
         width = max(1, max(len(p.stop_token_ids) for p in params))
@@ -59,14 +61,13 @@ class DraftSampling:
                 stops[i, : len(p.stop_token_ids)] = p.stop_token_ids
         first = np.asarray(first_positions, dtype=np.int64)
         prompt = np.fromiter((request.num_prompt_tokens for request in requests), np.int64, count)
-        computed = np.fromiter((request.num_computed_tokens for request in requests), np.int64, count)
         min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, count)
         has_stops = np.fromiter((bool(p.stop_token_ids) for p in params), bool, count)
         greedy = np.fromiter((p.greedy for p in params), np.int64, count)
         top_k = np.fromiter((p.top_k for p in params), np.int64, count) * (1 - greedy)  # greedy rows filter nothing
         # The token forward j draws is output number first + 1 - prompt + j: forbidden while below min_new.
         until = np.where(has_stops, min_new - (first + 1 - prompt), 0)
-        columns = [until, greedy, top_k, np.asarray(store_rows, dtype=np.int64), first - computed]
+        columns = [until, greedy, top_k, np.asarray(store_rows, dtype=np.int64), np.asarray(store_columns, np.int64)]
         sent = to_device(np.concatenate([np.stack(columns).ravel(), stops.ravel()]), device)
         until_t, greedy_t, top_k_t, rows_t, columns_t = sent[: 5 * count].view(5, count)
         temperature = to_device([1.0 if p.greedy else p.temperature for p in params], device, torch.float32)

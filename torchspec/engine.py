@@ -94,8 +94,6 @@ class Engine:
         self.policy = make_policy(config, layers)
         self.num_draft_slots = k = config.k if self.policy is not None else 0
         self.max_step_tokens = config.max_step_tokens or max(DEFAULT_STEP_TOKENS, config.max_batch_size * (k + 1))
-        # Launch each step before reading the last one back (see SpecConfig).
-        self.delayed_verify = self.policy is None if config.delayed_verify is None else config.delayed_verify
         capacity = config.kv_capacity_tokens or auto_capacity_tokens(
             layers,
             self.dtype,
@@ -117,10 +115,16 @@ class Engine:
             compile_model=bool(config.compile),
             cuda_graphs=use_cuda_graphs(config.cuda_graphs, self.device, ops),
             max_batch_size=config.max_batch_size,
-            # Only plain decoding runs a request in the step after its own (speculation staggers instead).
-            feeds_next_step=self.delayed_verify and self.policy is None,
         )
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy, config.unified_schedule)
+        # Launch each step before reading the last one back (see SpecConfig). With speculation, a request's next
+        # round launches while its last one is in flight where the runner places every draft list on the device
+        # (not inside attention, no sliding window): rounds ahead, on by default on CUDA, where it was measured
+        # (elsewhere speculation keeps the synchronous loop, reproducible step for step).
+        ahead_capable = self.draft_chain and not self.policy.selects_in_attention and not self.runner.windows
+        default = self.policy is None or (ahead_capable and self.device.type == "cuda")
+        self.delayed_verify = default if config.delayed_verify is None else config.delayed_verify
+        self.rounds_ahead = self.delayed_verify and ahead_capable
         self.adaptive_rounds = use_adaptive_rounds(config.adaptive_rounds, self.draft_chain, self.device)
         self._run_start = time.perf_counter()
         self._run_steps = 0
@@ -169,8 +173,9 @@ class Engine:
             self.config.k,
             self.draft_chain,
             self.adaptive_rounds,
-            stagger=self.delayed_verify and self.policy is not None,
+            stagger=self.delayed_verify and self.policy is not None and not self.rounds_ahead,
             unified=self.config.unified_schedule,
+            rounds_ahead=self.rounds_ahead,
         )
         for request in requests:
             if request.is_finished:

@@ -45,7 +45,6 @@ class Runner:
         compile_model: bool = False,
         cuda_graphs: bool = False,
         max_batch_size: int = 256,
-        feeds_next_step: bool = False,
     ) -> None:
         self.model = model
         # Dynamic shapes: the packed token count changes every step; attention is one opaque op per layer.
@@ -55,9 +54,6 @@ class Runner:
         self.device = device
         self.policy = policy
         self.generator = generator
-        # Keep each one-token step's token on the device, for the next step to be fed before the host reads it
-        # (delayed verification); off, nothing is kept.
-        self.feeds_next_step = feeds_next_step
         self.num_draft_slots = policy.config.k if policy is not None else 0
         self.windows = sorted({layer.sliding_window for layer in layers if layer.sliding_window is not None})
         self.num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
@@ -87,10 +83,11 @@ class Runner:
         return to_device(values, self.device)
 
     def build_metadata(
-        self, plan: StepPlan, input_ids: torch.Tensor | None = None
+        self, plan: StepPlan, input_ids: torch.Tensor | None = None, shifts: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of the packed batch, built once for all layers.
         ``input_ids``: the packed tokens already on the device (a verify fed its drafts there), else the plan's.
+        ``shifts``: the items' corrections (``_shifts``) where some start is only known on the device.
 
         Host work grows with the batch and the step's query tokens, not with the context: slot lists are
         gathered from the device slot table (see slot_table.py)."""
@@ -103,15 +100,16 @@ class Runner:
         total = int(cu_seqlens_q[-1])
         owner = np.repeat(np.arange(count), lengths)  # each query token's request
         positions = starts[owner] + np.arange(total) - cu_seqlens_q[owner]
-        # One transfer for the step's per-token inputs: positions, slot-table rows (and token ids); the slots
-        # come from the table.
-        columns = [positions, np.asarray(rows, dtype=np.int64)[owner]]
+        # One transfer for the step's per-token inputs: slot-table rows, offsets (and token ids). A position is
+        # its request's computed count on the device plus its offset past it; the slot is the table's.
+        offsets = positions - np.fromiter((_device_computed(item) for item in items), np.int64, count)[owner]
+        columns = [np.asarray(rows, dtype=np.int64)[owner], offsets]
         if input_ids is None:
             tokens = itertools.chain.from_iterable(item.query_token_ids() for item in items)
             columns.append(np.fromiter(tokens, np.int64, total))
         per_token = self._tensor(np.stack(columns))
-        position_ids = per_token[0]
-        slots = self.table.slots[per_token[1], position_ids]
+        position_ids = self.table.computed[per_token[0]] + per_token[1]
+        slots = self.table.slots[per_token[0], position_ids]
         ends = (starts + lengths).tolist()
         starts = starts.tolist()
         num_drafts = plan.num_drafts
@@ -119,12 +117,13 @@ class Runner:
         full = rows[num_drafts:], [0] * (len(rows) - num_drafts), ends[num_drafts:]
         # A sliding-window layer reads only the entries some query of this step can still see.
         windowed = {w: (rows, [max(0, start - w + 1) for start in starts], ends) for w in self.windows}
-        draft, draft_lists = self._draft_views(plan.scheduled[:num_drafts])
+        draft_shifts, full_shifts = (None, None) if shifts is None else (shifts[:num_drafts], shifts[num_drafts:])
+        draft, draft_lists = self._draft_views(plan.scheduled[:num_drafts], draft_shifts)
         metadata = AttentionMetadata(
             slot_mapping=slots,
             cu_seqlens_q=self._tensor(cu_seqlens_q),
             windowed={w: self._view(*ranges) for w, ranges in windowed.items()},
-            full=self._view(*full),
+            full=self._view(*full, full_shifts),
             num_drafts=num_drafts,
             draft=draft,
             draft_lists=draft_lists,
@@ -134,17 +133,29 @@ class Runner:
             max_scored_queries=max(scored, default=0),
         )
         ids = per_token[2] if input_ids is None else input_ids
-        # Tokens whose input is the in-flight step's token, on the device (delayed verification).
+        # Tokens whose input is the request's newest token, which the device holds.
         fed = [(int(cu_seqlens_q[i]), rows[i]) for i, item in enumerate(items) if item.fed]
         if fed:
             index = self._tensor(list(zip(*fed, strict=True)))
             ids[index[0]] = self.table.last_tokens[index[1]]
         return ids[None], position_ids[None], metadata
 
-    def _view(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> KVView:
-        indptr, indices = self.table.gather(rows, starts, ends)
+    def _view(
+        self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int], shrink: torch.Tensor | None = None
+    ) -> KVView:
+        """Full lists of positions ``[starts[i], ends[i] - shrink[i])`` (see ``SlotTable.gather``)."""
+        indptr, indices = self.table.gather(rows, starts, ends, shrink)
         lengths = [end - start for start, end in zip(starts, ends, strict=True)]
-        return KVView(self._tensor(indptr), indices, max(lengths, default=0))
+        return KVView(indptr, indices, max(lengths, default=0))
+
+    def _shifts(self, items: Sequence[ScheduledRequest]) -> torch.Tensor | None:
+        """Per item, how many positions before the host's assumption its request really starts, on the device:
+        a round launched ahead (``bound``) assumes the round in flight accepts every draft. None when every
+        item's start is known on the host (nothing to correct)."""
+        if not any(item.bound for item in items):
+            return None
+        sent = self._tensor([[_device_computed(item) for item in items], [self.table.row(i.request) for i in items]])
+        return sent[0] - self.table.computed[sent[1]]
 
     def _scored_queries(self, items: Sequence[ScheduledRequest]) -> list[int]:
         """Trailing queries whose attention mass the policy learns from: all queries of a verify, the last
@@ -154,24 +165,33 @@ class Runner:
         k_plus_1 = self.policy.config.k + 1
         return [min(item.num_query_tokens, k_plus_1) if item.samples and item.learns else 0 for item in items]
 
-    def _draft_views(self, items: Sequence[ScheduledRequest]) -> tuple[dict[int, KVView], torch.Tensor | None]:
+    def _draft_views(
+        self, items: Sequence[ScheduledRequest], shifts: torch.Tensor | None
+    ) -> tuple[dict[int, KVView], torch.Tensor | None]:
         """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots),
         and the stacked lists ``[layers, Hkv, N]`` the views slice."""
         if not items or self.policy.selects_in_attention:
             return {}, None
         requests = [item.request for item in items]
         rows = [self.table.row(request) for request in requests]
-        view, _ = self._policy_lists(requests, rows, [item.first_position for item in items])  # [layers, Hkv, N]
+        positions = [item.first_position for item in items]
+        view, _ = self._policy_lists(requests, rows, positions, shifts)  # [layers, Hkv, N]
         return self._layer_views(view), view.kv_indices
 
     def _policy_lists(
-        self, requests: Sequence[Request], rows: Sequence[int], positions: Sequence[int]
+        self,
+        requests: Sequence[Request],
+        rows: Sequence[int],
+        positions: Sequence[int],
+        shifts: torch.Tensor | None = None,
     ) -> tuple[KVView, list[int]]:
         """The lists the policy fixes for draft forwards of ``requests`` (slot-table ``rows``) at ``positions``
         (see ``_draft_lists``)."""
         chosen = [self.policy.draft_positions(r, p) for r, p in zip(requests, positions, strict=True)]
         fixed, recent_from = zip(*chosen, strict=True)
-        return self._draft_lists(rows, positions, fixed, recent_from)
+        if shifts is not None:  # a round launched ahead reads at least every position since the committed ones
+            recent_from = [min(first, r.num_computed_tokens) for first, r in zip(recent_from, requests, strict=True)]
+        return self._draft_lists(rows, positions, fixed, recent_from, shifts)
 
     def _layer_views(self, view: KVView) -> dict[int, KVView]:
         """Each sparse layer's view of stacked draft lists ``[layers, Hkv, N]``."""
@@ -192,13 +212,15 @@ class Runner:
         positions: Sequence[int],
         fixed: Sequence[torch.Tensor],
         recent_from: Sequence[int] | None,
+        shifts: torch.Tensor | None = None,
     ) -> tuple[KVView, list[int]]:
         """Per-KV-head slot lists of draft forwards (``[layers, Hkv, N]``, or ``[Hkv, N]`` for one layer's
         selection), built for all of them at once on the device, in a few launches whatever the batch: the
         draft of slot-table row ``rows[j]`` at ``positions[j]`` reads its ``fixed[j]`` positions (``[n]`` or
         ``[..., Hkv, n]``; -1 stays padding) and, when ``recent_from`` is given, every position from
-        ``recent_from[j]`` to ``positions[j]``. Also returns the offsets (host), to slice the lists per forward
-        of a draft chain."""
+        ``recent_from[j]`` to ``positions[j]``. ``shifts`` (device, per draft; None: none): draft j really sits
+        at ``positions[j] - shifts[j]`` (a round launched ahead), and what its list holds past that position
+        becomes padding. Also returns the offsets (host), to slice the lists per forward of a draft chain."""
         num_layers, num_heads = len(self.policy.sparse_layers), self.policy.num_kv_heads
         shape = (num_heads,) if fixed[0].dim() == 2 else (num_layers, num_heads)
         # Each distinct tensor is sent once: a round's pattern serves every forward of its draft chain. The
@@ -229,6 +251,9 @@ class Runner:
         local = torch.arange(total_recent, device=self.device) - recent_start[owner]
         positions[..., start[owner] + fixed_length[owner] + local] = first_recent[owner] + local
         entry_rows = torch.repeat_interleave(row, length, output_size=total)
+        if shifts is not None:  # nothing past the draft's own position (K/V there is not this round's yet)
+            last = (self._tensor(ends - 1) - shifts).repeat_interleave(length, output_size=total)
+            positions = torch.where(positions > last, -1, positions)
         kv_view = KVView(self._tensor(indptr), self.table.lookup(entry_rows, positions), int(lengths.max()))
         return kv_view, indptr.tolist()
 
@@ -263,27 +288,28 @@ class Runner:
         the next step can be queued before this one is collected."""
         drafts = plan.scheduled[: plan.num_drafts]
         drafts_span = _Span(self.device) if drafts else None
-        input_ids, position_ids, metadata = self.build_metadata(plan)
+        shifts = self._shifts(plan.scheduled)
+        draft_shifts = None if shifts is None else shifts[: len(drafts)]
+        input_ids, position_ids, metadata = self.build_metadata(plan, shifts=shifts)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
         self._learn_from_verify(plan, metadata)
         draft_rows = [self.table.row(item.request) for item in drafts]  # their slot-table and store rows
-        sampling = self._draft_sampling(drafts, draft_rows, logits.shape[-1])
-        picks = self._pick(plan, logits, first_row, sampling=sampling)
+        sampling = self._draft_sampling(drafts, draft_rows, logits.shape[-1], draft_shifts)
+        picks = self._pick(plan, logits, first_row, sampling=sampling, shifts=shifts)
+        self._advance(plan, picks)
         chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
-        later, later_forwards = self._later_drafts(drafts, draft_rows, chain[0], sampling)
+        later, later_forwards = self._later_drafts(drafts, draft_rows, chain[0], sampling, draft_shifts)
         chain += later
         if drafts_span is not None:
             drafts_span.stop()
-        if self.feeds_next_step:
-            self._keep_last_tokens(plan, first_row, picks)
         parts = [*picks.parts(), *chain[1:]]
-        verify = self._verify_rounds(drafts, chain)
+        verify = self._verify_rounds(drafts, chain, draft_shifts)
         if verify is not None:
-            parts += verify[1].parts()
+            parts += verify[1].parts()[1:]  # its rows' tokens are verified, not drawn: not read back
         return LaunchedStep(
             plan=plan,
-            first=_Pass(first_row, picks.sampled_rows),
-            verify=None if verify is None else _Pass(verify[0], verify[1].sampled_rows),
+            first=_Pass(first_row, picks.emitting_rows),
+            verify=None if verify is None else _Pass(verify[0], verify[1].emitting_rows),
             part_sizes=[part.shape[0] for part in parts],
             num_chain_forwards=len(chain) - 1,
             draft_forwards=1 + later_forwards if drafts else 0,
@@ -293,7 +319,7 @@ class Runner:
         )
 
     def _verify_rounds(
-        self, drafts: Sequence[ScheduledRequest], chain: Sequence[torch.Tensor]
+        self, drafts: Sequence[ScheduledRequest], chain: Sequence[torch.Tensor], shifts: torch.Tensor | None
     ) -> tuple[list[int], _Picks] | None:
         """The verify forward of the rounds drafted in this step (draft chains that ``verifies``): each request's
         newest token and its drafts, the drafts fed from the chain's tokens on the device. Returns each
@@ -306,56 +332,79 @@ class Runner:
         drafted = torch.zeros(len(drafts), len(chain), dtype=torch.int64, device=self.device)
         for j, tokens in enumerate(chain):
             drafted[: tokens.shape[0], j] = tokens
-        plan = StepPlan([ScheduledRequest(item.request, Phase.VERIFY, 1 + item.chain) for _, item in rounds])
+        plan = StepPlan(
+            [
+                ScheduledRequest(item.request, Phase.VERIFY, 1 + item.chain, ahead=item.ahead, bound=item.bound)
+                for _, item in rounds
+            ]
+        )
         # Flat queries, request after request: the newest token, then the drafts (column j of its drafted row).
         chains = np.array([item.chain for _, item in rounds])
         newest_at = np.cumsum(1 + chains) - 1 - chains
         owner = np.repeat(np.arange(len(rounds)), chains)
         column = np.arange(owner.size) - np.repeat(np.cumsum(chains) - chains, chains)
-        ids = np.zeros(int(newest_at[-1] + chains[-1] + 1), dtype=np.int64)  # the drafts' places filled below
-        ids[newest_at] = [item.request.token_ids[-1] for _, item in rounds]
-        input_ids = self._tensor(ids)
+        # Zeros where the newest tokens go (build_metadata feeds them from the device) and the drafts, put below.
+        input_ids = torch.zeros(int(newest_at[-1] + chains[-1] + 1), dtype=torch.int64, device=self.device)
         rows = np.array([index for index, _ in rounds])
         index = self._tensor(np.stack([newest_at[owner] + 1 + column, rows[owner], column]))
         input_ids[index[0]] = drafted[index[1], index[2]]
-        input_ids, position_ids, metadata = self.build_metadata(plan, input_ids)
+        plan_rows = row_index(rows.tolist(), self.device)
+        shifts = None if shifts is None else shifts[plan_rows]
+        input_ids, position_ids, metadata = self.build_metadata(plan, input_ids, shifts)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
         self._learn_from_verify(plan, metadata)
-        return first_row, self._pick(plan, logits, first_row, drafted[row_index(rows.tolist(), self.device)])
+        picks = self._pick(plan, logits, first_row, drafted[plan_rows], shifts=shifts)
+        self._advance(plan, picks)
+        return first_row, picks
 
-    def _keep_last_tokens(self, plan: StepPlan, first_row: list[int], picks: _Picks) -> None:
-        """Record on the device the token each request emits when it emits exactly one (a plain decode, a final
-        prompt chunk): the next step may feed it before the host has read it (delayed verification)."""
-        greedy_rows, greedy_table_rows, sampled, sampled_table_rows = [], [], [], []
-        for item, row in zip(plan.scheduled, first_row, strict=True):
-            one_token = item.phase is Phase.PREFILL or (item.phase is Phase.VERIFY and item.num_query_tokens == 1)
-            if not (item.samples and one_token):
-                continue
-            if row in picks.sampled_rows:
-                sampled.append(picks.sampled_rows[row])
-                sampled_table_rows.append(self.table.row(item.request))
-            else:
-                greedy_rows.append(row)
-                greedy_table_rows.append(self.table.row(item.request))
-        if greedy_rows:
-            index = self._tensor([greedy_rows, greedy_table_rows])
-            self.table.last_tokens[index[1]] = picks.tokens[index[0]]
-        if sampled:
-            index = self._tensor([sampled, sampled_table_rows])
-            self.table.last_tokens[index[1]] = picks.next_token[index[0]]
+    def _advance(self, plan: StepPlan, picks: _Picks) -> None:
+        """Move the device's state of the forward's requests past it (``SlotTable.computed``, ``last_tokens``): a
+        prompt chunk's tokens and a verify's newest token and accepted drafts are computed, and a request holds
+        as its newest token the last one it emitted (or the prompt's next, past a chunk short of the end). Draft
+        steps change nothing: their K/V stays past the computed count until a verify accepts it. Queued on the
+        device, so the next step reads what this one leaves, before the host has read anything back."""
+        items = [(i, item) for i, item in enumerate(plan.scheduled) if item.phase is not Phase.DRAFT]
+        if not items:
+            return
+        # Computed past a forward's queries: its prompt tokens, or a verify's newest token, plus accepted drafts.
+        gains = [item.num_query_tokens - _round_drafts(item) for _, item in items]
+        emitting = np.asarray(picks.emitting, dtype=np.int64)  # their plan indices, in picks order
+        position = {index: j for j, (index, _) in enumerate(items)}
+        sent = self._tensor([*(self.table.row(item.request) for _, item in items), *gains])
+        rows, gains = sent.view(2, len(items))
+        if emitting.size:
+            at = row_index([position[i] for i in emitting.tolist()], self.device)
+            gains[at] += picks.accepted
+            self.table.last_tokens[rows[at]] = picks.next_token
+        self.table.computed[rows] += gains
+        # A prompt chunk short of the end leaves the prompt's next token as the newest (a step may feed it as a
+        # decode when it is the prompt's last).
+        chunks = [item for _, item in items if item.phase is Phase.PREFILL and not item.samples]
+        if chunks:
+            newest = [item.request.token_ids[item.first_position + item.num_query_tokens] for item in chunks]
+            index = self._tensor([[self.table.row(item.request) for item in chunks], newest])
+            self.table.last_tokens[index[0]] = index[1]
 
     def _draft_sampling(
-        self, drafts: Sequence[ScheduledRequest], rows: Sequence[int], vocab_size: int
+        self,
+        drafts: Sequence[ScheduledRequest],
+        rows: Sequence[int],
+        vocab_size: int,
+        shifts: torch.Tensor | None,
     ) -> DraftSampling | None:
         """The sampling columns of the step's draft chains (None without drafts; ``rows``: their slot-table
-        rows), every forward of a chain selecting from them; and room in the draft-probs store for their rows,
-        the chain graph's spare row included."""
+        rows; ``shifts``: see ``_shifts``), every forward of a chain selecting from them; and room in the
+        draft-probs store for their rows, the chain graph's spare row included."""
         if not drafts:
             return None
         spare = self.max_batch_size if self.chain_graphs is not None else 0
         self.draft_probs.reserve(max(*rows, spare) + 1, vocab_size)  # before any forward writes: never regrown
         first_positions = [item.first_position for item in drafts]
-        return DraftSampling.of([item.request for item in drafts], first_positions, rows, self.device)
+        columns = [item.first_position - _device_computed(item) for item in drafts]  # drafts made before
+        sampling = DraftSampling.of([item.request for item in drafts], first_positions, rows, columns, self.device)
+        if shifts is not None:  # a round that starts earlier draws earlier outputs: stop tokens stay forbidden longer
+            sampling.suppress_until = sampling.suppress_until + shifts
+        return sampling
 
     def _later_drafts(
         self,
@@ -363,6 +412,7 @@ class Runner:
         draft_rows: Sequence[int],
         first: torch.Tensor,
         sampling: DraftSampling | None,
+        shifts: torch.Tensor | None,
     ) -> tuple[list[torch.Tensor], int]:
         """The tokens of the later forwards of the step's draft chains (forward j holds the drafts whose chain
         is longer than j: a prefix, as drafts are sorted longest chain first), each forward fed the previous
@@ -384,11 +434,14 @@ class Runner:
         requests = [drafts[i].request for i in owner.tolist()]
         entry_rows = np.array(draft_rows)[owner]
         rows = entry_rows.tolist()
-        sent = self._tensor(np.stack([entry_positions, entry_rows]))
-        layout = torch.stack([sent[0], self.table.slots[sent[1], sent[0]]])  # positions, slots
+        computed = np.fromiter((_device_computed(item) for item in drafts), np.int64, len(drafts))[owner]
+        sent = self._tensor(np.stack([entry_positions - computed, entry_rows]))  # offsets past computed, rows
+        entry_positions_t = self.table.computed[sent[1]] + sent[0]
+        layout = torch.stack([entry_positions_t, self.table.slots[sent[1], entry_positions_t]])  # positions, slots
         lists, offsets = None, None
         if not self.policy.selects_in_attention:
-            lists, offsets = self._policy_lists(requests, rows, positions)
+            entry_shifts = None if shifts is None else shifts[self._tensor(owner)]
+            lists, offsets = self._policy_lists(requests, rows, positions, entry_shifts)
         # Sampled once per forward from the round's columns: the chain graph's ops, or the same ops per forward.
         if self._chain_graph_runs(drafts, draft_rows):
             inputs = self._chain_inputs(counts, first, layout, lists, offsets, sampling)
@@ -573,11 +626,13 @@ class Runner:
         first_row: list[int],
         drafted: torch.Tensor | None = None,
         sampling: DraftSampling | None = None,
+        shifts: torch.Tensor | None = None,
     ) -> _Picks:
         """Tokens from the logits rows of each request, on the device: draft samples, verified tokens (see
         speculative.py). ``drafted``: the verifies' drafts on the device (``[requests, n]``, a round verified in
         the step that drafted it), else the host's. ``sampling``: the draft requests' columns (given when the
-        plan has drafts), which select their tokens as every later forward of their chains does.
+        plan has drafts), which select their tokens as every later forward of their chains does. ``shifts``:
+        see ``_shifts``.
 
         Every random draw covers the whole forward at once, and nothing is read back here: per-request draws
         would cost a host round trip each, which for hundreds of requests costs more than the forward. The
@@ -596,9 +651,18 @@ class Runner:
         owner = np.repeat(np.arange(num_items), counts)  # the request of each row
         row_number = np.arange(owner.size) - first[owner]  # the row's index within its request's rows
         min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, num_items)
-        below_minimum = np.flatnonzero(bases[owner] + row_number < min_new[owner])
+        outputs = bases[owner] + row_number  # the output index each row samples (an upper bound for a bound item)
+        below = outputs < min_new[owner]
         stops = [p.stop_token_ids for p in params]
+        below_minimum = np.flatnonzero(below)
         suppress_stop_tokens(logits, below_minimum, [stops[i] for i in owner[below_minimum].tolist()])
+        if shifts is not None:  # rows a bound item may sample below min_new_tokens: the device knows which
+            slack = np.fromiter((item.ahead if item.bound else 0 for item in items), np.int64, num_items)
+            unsure = np.flatnonzero(~below & (outputs - slack[owner] < min_new[owner]))
+            if unsure.size:
+                margin = self._tensor(outputs[unsure] - min_new[owner[unsure]])
+                when = margin < shifts[self._tensor(owner[unsure])]
+                suppress_stop_tokens(logits, unsure, [stops[i] for i in owner[unsure].tolist()], when)
         greedy = np.fromiter((p.greedy for p in params), bool, num_items)
         is_draft = np.fromiter((item.phase is Phase.DRAFT for item in items), bool, num_items)
         sampled_rows = np.flatnonzero(~greedy[owner] & ~is_draft[owner])
@@ -612,23 +676,28 @@ class Runner:
         if drafts.size:
             rows = row_index(first[drafts].tolist(), self.device)
             tokens[rows] = sampling.select(logits[rows], 0, self.draft_probs.probs, self.generator)
-        verifies = [(i, items[i], first_row[i]) for i in np.flatnonzero((counts > 0) & ~is_draft & ~greedy).tolist()]
+        # Verifies and final prompt chunks emit tokens: accepted drafts and the next token, on the device.
+        emitting = np.flatnonzero((counts > 0) & ~is_draft).tolist()
         accepted, next_token = None, None
-        if verifies:
-            accepted, next_token = self._accept_sampled(verifies, probs, prob_index, drafted)
+        if emitting:
+            accepted, next_token = self._accept(
+                [(i, items[i], first_row[i]) for i in emitting], greedy, tokens, probs, prob_index, drafted
+            )
         return _Picks(
             tokens=tokens,
             entropies=self._draft_entropies(logits, first[drafts].tolist()),
-            sampled_rows={row: i for i, (_, _, row) in enumerate(verifies)},
+            emitting=emitting,
+            emitting_rows={first_row[i]: j for j, i in enumerate(emitting)},
             accepted=accepted,
             next_token=next_token,
         )
 
     def collect(self, step: LaunchedStep) -> list[StepResult]:
         """Each request's results, from the one read-back of a launched step (waits for that step alone). The
-        read-back holds, for the first forward, each row's argmax (or draft draw) and the sampled verifies'
-        accepted counts and next tokens; then the draft tokens of each later chain forward (a prefix of the
-        step's draft requests each); then the same three for the verify forward of the step's rounds."""
+        read-back holds, for the first forward, each row's argmax (or draft draw) and the emitting requests'
+        (verifies', final prompt chunks') accepted counts and next tokens; then the draft tokens of each later
+        chain forward (a prefix of the step's draft requests each); then the accepted counts and next tokens of
+        the verify forward of the step's rounds."""
         plan, first = step.plan, step.first
         values = _split(step.readback.tolist(), step.part_sizes)
         chain_end = 3 + step.num_chain_forwards
@@ -649,7 +718,7 @@ class Runner:
                 results.append(result)
             else:
                 drafts = item.request.round.tokens if item.phase is Phase.VERIFY else []
-                results.append(first.result(row, drafts, *first_values))
+                results.append(first.result(row, drafts, *first_values[1:]))
         return results
 
     def _draft_entropies(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
@@ -659,37 +728,71 @@ class Runner:
         log_probs = logits[row_index(rows, self.device)].float().log_softmax(dim=-1)
         return -(log_probs.exp() * log_probs).nan_to_num().sum(dim=-1)
 
+    def _accept(
+        self,
+        emitting: list[tuple[int, ScheduledRequest, int]],
+        greedy: np.ndarray,
+        tokens: torch.Tensor,
+        probs: torch.Tensor | None,
+        prob_index: np.ndarray,
+        drafted: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accepted drafts and next token of every verify (and final prompt chunk) of a forward, on the device:
+        greedy requests' from the argmax (``tokens``), sampled requests' by rejection sampling, each kind in one
+        batch. ``emitting``: (index in the plan, item, first row); ``greedy``: per plan index; their drafts come
+        from ``drafted`` (rows by plan index) when given, else from the host."""
+        counts = [_round_drafts(item) for _, item, _ in emitting]
+        if drafted is None:
+            rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for _, item, _ in emitting]
+            n = max(counts)
+            drafts = self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
+        else:
+            drafts = drafted[row_index([index for index, _, _ in emitting], self.device)]
+        meta = self._tensor([counts, [row for _, _, row in emitting]])
+        num_drafts, first_rows = meta
+        # Each round's rows, from its first: its newest token's and one per draft (padding repeats the last).
+        steps = torch.minimum(torch.arange(drafts.shape[1] + 1, device=self.device), num_drafts[:, None])
+        kinds = greedy[[index for index, _, _ in emitting]]
+        accepted, next_token = num_drafts.new_empty(len(emitting)), num_drafts.new_empty(len(emitting))
+        for kind in (True, False):
+            members = np.flatnonzero(kinds == kind)
+            if not members.size:
+                continue
+            whole = members.size == len(emitting)
+            at = slice(None) if whole else row_index(members.tolist(), self.device)
+            if kind:
+                picked = accept_greedy(tokens[first_rows[at, None] + steps[at]], drafts[at], num_drafts[at])
+            else:
+                sampled = [emitting[m] for m in members.tolist()]
+                picked = self._accept_sampled(sampled, probs, prob_index, drafts[at], num_drafts[at], steps[at])
+            if whole:
+                return picked
+            accepted[at], next_token[at] = picked
+        return accepted, next_token
+
     def _accept_sampled(
         self,
         verifies: list[tuple[int, ScheduledRequest, int]],
         probs: torch.Tensor,
         prob_index: np.ndarray,
-        drafted: torch.Tensor | None,
+        drafts: torch.Tensor,
+        num_drafts: torch.Tensor,
+        steps: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rejection sampling of every sampled verify (and final prefill chunk) of the step in one batch:
-        accepted drafts and next token of each, on the device. ``verifies``: (index in the plan, item, first
-        row); their drafts come from ``drafted`` (rows by plan index) when given, else from the host. Sampled
-        drafts' distributions come from the draft-probs store (written by their draft steps); proposed drafts
-        (n-gram) count as point masses."""
-        counts = [item.num_query_tokens - 1 if item.phase is Phase.VERIFY else 0 for _, item, _ in verifies]
-        if drafted is None:
-            rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for _, item, _ in verifies]
-            n = max(counts)
-            drafts = self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
-        else:
-            drafts = drafted[row_index([index for index, _, _ in verifies], self.device)]
-            n = drafts.shape[1]
+        """Rejection sampling of sampled verifies (and final prompt chunks) in one batch. ``verifies``: (index in
+        the plan, item, first row); ``steps``: each one's rows past its first (``[J, n + 1]``). Sampled drafts'
+        distributions come from the draft-probs store (written by their draft steps); proposed drafts (n-gram)
+        count as point masses."""
+        n = drafts.shape[1]
         # A verify's rows are consecutive, all sampled (one request's parameters): so are their probs rows.
-        first = self._tensor(prob_index[[row for _, _, row in verifies]])
-        num_drafts = self._tensor(counts)
-        steps = torch.arange(n + 1, device=self.device)
-        target_rows = first[:, None] + torch.minimum(steps, num_drafts[:, None])  # padding: the last row again
+        target_rows = self._tensor(prob_index[[row for _, _, row in verifies]])[:, None] + steps
         # Proposed drafts (and rounds without drafts) as point masses, one row per verify; sampled drafts' rows
         # are the store's, read where the draft steps wrote them (entries past a round's drafts are padding).
         draft_rows = torch.arange(len(verifies), device=self.device)
         if (self.policy is not None and self.policy.proposes_tokens) or not n:
             draft_probs = torch.zeros(len(verifies), n, probs.shape[-1], dtype=probs.dtype, device=probs.device)
-            draft_probs.scatter_(2, drafts[..., None], (steps[:n] < num_drafts[:, None]).to(probs.dtype)[..., None])
+            drafted = (steps[:, :n] < num_drafts[:, None]).to(probs.dtype)
+            draft_probs.scatter_(2, drafts[..., None], drafted[..., None])
         else:
             rows = [self.table.row(item.request) for _, item, _ in verifies]
             self.draft_probs.reserve(max(rows) + 1, probs.shape[-1])
@@ -743,20 +846,15 @@ class _Span:
 @dataclass
 class _Pass:
     """A forward of a step whose verifies the step reads back: each request's first logits row, and where each
-    sampled verify's accepted count and next token sit in the read-back."""
+    verify's (or final prompt chunk's) accepted count and next token sit in the read-back."""
 
     first_row: list[int]
-    sampled_rows: dict[int, int]  # first row of each sampled verify -> its index in accepted / next_token
+    emitting_rows: dict[int, int]  # first row of each emitting request -> its index in accepted / next_token
 
-    def result(
-        self, row: int, drafts: list[int], argmax: list[int], accepted: list[int], next_token: list[int]
-    ) -> StepResult:
+    def result(self, row: int, drafts: list[int], accepted: list[int], next_token: list[int]) -> StepResult:
         """The verified tokens of the request whose rows start at ``row``, given the drafts it checked."""
-        if row in self.sampled_rows:
-            verify = self.sampled_rows[row]
-            return StepResult(tokens=[*drafts[: accepted[verify]], next_token[verify]], num_accepted=accepted[verify])
-        num_accepted, tokens = accept_greedy(argmax[row : row + len(drafts) + 1], drafts)
-        return StepResult(tokens=tokens, num_accepted=num_accepted)
+        index = self.emitting_rows[row]
+        return StepResult(tokens=[*drafts[: accepted[index]], next_token[index]], num_accepted=accepted[index])
 
 
 @dataclass
@@ -780,9 +878,10 @@ class _Picks:
 
     tokens: torch.Tensor  # [rows]: each row's argmax, or its draw for a sampled draft
     entropies: torch.Tensor | None  # [draft rows]: their entropy, for policies that steer by it
-    sampled_rows: dict[int, int]  # first row of each sampled verify -> its index in accepted / next_token
-    accepted: torch.Tensor | None  # [sampled verifies]: drafts kept
-    next_token: torch.Tensor | None  # [sampled verifies]: the corrected or bonus token
+    emitting: list[int]  # plan indices of the verifies and final prompt chunks, which emit tokens
+    emitting_rows: dict[int, int]  # first row of each of them -> its index in accepted / next_token
+    accepted: torch.Tensor | None  # [emitting]: drafts kept
+    next_token: torch.Tensor | None  # [emitting]: the corrected or bonus token (or a prompt's first)
 
     def parts(self) -> list[torch.Tensor]:
         """What the step reads back of this forward: tokens, accepted counts, next tokens (empty: none)."""
@@ -796,6 +895,17 @@ def _sampled_row_count(item: ScheduledRequest) -> int:
     if not item.samples:
         return 0
     return item.num_query_tokens if item.phase is Phase.VERIFY else 1
+
+
+def _round_drafts(item: ScheduledRequest) -> int:
+    """Drafts a scheduled request's verify checks (0 for a prompt chunk)."""
+    return item.num_query_tokens - 1 if item.phase is Phase.VERIFY else 0
+
+
+def _device_computed(item: ScheduledRequest) -> int:
+    """The request's computed count on the device when the step runs: the host's, plus what the step in flight
+    computes before it (``ahead``)."""
+    return item.request.num_computed_tokens + item.ahead
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:

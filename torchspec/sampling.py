@@ -14,9 +14,13 @@ from torchspec.transfer import row_index, to_device
 
 
 def suppress_stop_tokens(
-    logits: torch.Tensor, rows: Sequence[int] | np.ndarray, stop_token_ids: Sequence[Sequence[int]]
+    logits: torch.Tensor,
+    rows: Sequence[int] | np.ndarray,
+    stop_token_ids: Sequence[Sequence[int]],
+    when: torch.Tensor | None = None,
 ) -> None:
-    """Forbid each listed row's stop tokens (in place): the row has not reached ``min_new_tokens`` yet.
+    """Forbid each listed row's stop tokens (in place): the row has not reached ``min_new_tokens`` yet (or, with
+    ``when``, a device bool per listed row, only the rows where it holds: the host cannot tell yet).
     One indexed write for all rows (a write per row costs a launch each: milliseconds for a large batch), its
     indices built without a Python loop per row. The value is a device tensor: a Python float assigned
     through an index is copied from pageable host memory, which makes the host wait for the whole stream
@@ -27,7 +31,11 @@ def suppress_stop_tokens(
         row_indices = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
         token_indices = np.fromiter(itertools.chain.from_iterable(stop_token_ids), dtype=np.int64, count=total)
         index = to_device(np.stack([row_indices, token_indices]), logits.device).unbind(0)
-        logits.index_put_(index, logits.new_full((total,), float("-inf")))
+        forbidden = logits.new_full((total,), float("-inf"))
+        if when is not None:
+            which = to_device(np.repeat(np.arange(len(lengths)), lengths), logits.device)
+            forbidden = torch.where(when[which], forbidden, logits[index])
+        logits.index_put_(index, forbidden)
 
 
 def warp_logits(

@@ -16,11 +16,15 @@ nothing to decide (a plain decode or a final prompt chunk, without speculation) 
 the token step N leaves on the device. Stop conditions then apply one step late, and a token made past a stop
 is discarded at commit.
 
-With speculation (``stagger``) a request's next round waits for its last one to be read back, so the decoding
-requests are split in two halves that alternate: each step starts the rounds of at most half of them, and the
-engine launches the other half's step while this one runs. The host then reads back, commits and plans one half
-while the GPU runs the other's rounds, instead of the GPU idling while the host works (the paper's delayed
-verification over two phase buckets).
+With draft chains (``rounds_ahead``), a request whose whole round is in flight runs its next round in step N + 1
+too: the device knows where that round starts (the round in flight leaves each request's computed count and
+newest token there) and the host, which does not, bounds it by assuming every draft of the round in flight is
+accepted (``ScheduledRequest.bound``); the runner builds every position, slot, list and mask of such a round
+on the device. Without draft chains (``stagger``) a request's next round waits for its last one to be read
+back, so the decoding requests are split in two halves that alternate: each step starts the rounds of at most
+half of them, and the engine launches the other half's step while this one runs. The host then reads back,
+commits and plans one half while the GPU runs the other's rounds, instead of the GPU idling while the host works
+(the paper's delayed verification over two phase buckets).
 
 Unified schedule (``unified``, the paper's phase buckets, one draft per step): a request's first round is cut so
 that its verify lands in the step ahead with the fewest verifies; every later round takes k + 1 steps, so the
@@ -65,6 +69,9 @@ class ScheduledRequest:
     # Positions the step still in flight computes before this one (delayed verification): a decode then feeds
     # the token that step emits, on the device and not yet on the host.
     ahead: int = 0
+    # ``ahead`` is an upper bound: the step in flight runs a round of this request, which may accept fewer of its
+    # drafts (a round launched ahead, see ``Scheduler._step_ahead``); the device knows the exact start.
+    bound: bool = False
     # A verify (or final prompt chunk) whose attention the draft policy learns from (see ``_next_step``).
     learns: bool = True
     # Read many times per step and fixed until the step is committed: computed once, when scheduled.
@@ -82,8 +89,9 @@ class ScheduledRequest:
 
     @property
     def fed(self) -> bool:
-        """The input token comes from the step in flight, on the device (see ``ahead``)."""
-        return self.ahead > 0 and self.phase is not Phase.PREFILL
+        """Its first input is the request's newest token, which the device holds (the runner puts it there, so
+        a step in flight may have made it: see ``ahead``): a verify's, and a round's first draft's."""
+        return self.phase is Phase.VERIFY or (self.phase is Phase.DRAFT and not self.request.round.tokens)
 
     @property
     def verify_tokens(self) -> int:
@@ -98,7 +106,9 @@ class ScheduledRequest:
 
     def advanced(self, steps: int) -> ScheduledRequest:
         """This draft request ``steps`` forwards further along its chain."""
-        item = ScheduledRequest(self.request, self.phase, self.num_query_tokens, self.chain - steps)
+        item = ScheduledRequest(
+            self.request, self.phase, self.num_query_tokens, self.chain - steps, ahead=self.ahead, bound=self.bound
+        )
         item.first_position += steps
         return item
 
@@ -107,10 +117,10 @@ class ScheduledRequest:
         if self.phase is Phase.PREFILL:
             start = self.first_position
             return request.token_ids[start : start + self.num_query_tokens]
-        if self.fed:
-            return [0]  # a placeholder: the runner puts the in-flight step's token there, on the device
-        fed = [request.token_ids[-1], *request.round.tokens]
-        return fed[-1:] if self.phase is Phase.DRAFT else fed
+        # 0: a placeholder for the newest token, which the runner feeds from the device (see ``fed``).
+        if self.phase is Phase.DRAFT:
+            return request.round.tokens[-1:] if not self.fed else [0]
+        return [0, *request.round.tokens[: self.num_query_tokens - 1]]
 
 
 @dataclass
@@ -157,9 +167,12 @@ class Scheduler:
         adaptive_rounds: bool = False,
         stagger: bool = False,
         unified: bool = False,
+        rounds_ahead: bool = False,
     ) -> None:
         self.allocator = allocator
         self.stagger = stagger  # each step starts at most half of the decoding requests' rounds
+        # A request's next step is launched while its round (or plain step) is in flight (draft chains, delayed).
+        self.rounds_ahead = rounds_ahead
         # Unified phase buckets: a request's first round is cut so that verifies spread over a round's k + 1 steps.
         self.unified = unified and policy is not None
         self._phased: set[int] = set()  # id() of the decoding requests whose first round was placed so
@@ -211,6 +224,8 @@ class Scheduler:
                 prefilling.append((request, None, ahead))
             elif self._runs_on(item):
                 decoding.append((request, ScheduledRequest(request, Phase.VERIFY, 1, ahead=ahead)))
+            elif (ahead_step := self._step_ahead(request, item)) is not None and len(decoding) < starts:
+                decoding.append((request, ahead_step))
         # Each forward of the step holds at most max_step_tokens: the first (drafts, verifies, prompt chunks) and
         # the verify forward of the rounds drafted in the step.
         budget = verify_budget = self.max_step_tokens
@@ -260,6 +275,31 @@ class Scheduler:
         step emits exactly one token and leaves nothing to decide (no speculation), and a token is left to make
         after the one in flight."""
         return self.policy is None and item.samples and item.request.remaining_tokens > 1
+
+    def _step_ahead(self, request: Request, item: ScheduledRequest) -> ScheduledRequest | None:
+        """The next step of a request whose round, plain step or final prompt chunk is in flight
+        (``rounds_ahead``), launched before that one is read back: a round where the step's round length and the
+        policy allow, else a plain step. It starts where the step in flight leaves the request: past a plain
+        step or a prompt chunk, known on the host; past a round the device knows where, and the host bounds it
+        by assuming every draft accepted (``bound``), so the next round drafts no more than the tokens still
+        allowed after the most the round in flight can emit. None (the request sits this step out) when it may
+        stop in the step in flight."""
+        if not self.rounds_ahead or not item.samples:
+            return None
+        if item.verifies:  # at most its newest token and every draft computed, as many tokens emitted
+            ahead, emits, bound = item.chain + 1, item.chain + 1, True
+        elif item.phase is Phase.PREFILL or item.num_query_tokens == 1:  # a final prompt chunk, a plain step
+            ahead, emits, bound = item.num_query_tokens, 1, False
+        else:
+            return None
+        left = request.remaining_tokens - emits  # at least this many tokens after the step in flight
+        if left < 1:
+            return None
+        length = min(self._length, left - 1)
+        if length > 0 and self.policy.ready(request):
+            return ScheduledRequest(request, Phase.DRAFT, 1, length, verifies=True, ahead=ahead, bound=bound)
+        learns = self.policy.learns_from_plain_step(request)
+        return ScheduledRequest(request, Phase.VERIFY, 1, ahead=ahead, learns=learns, bound=bound)
 
     def _next_step(self, request: Request) -> ScheduledRequest:
         if self.policy is None:  # plain decoding: every step is a one-token verify, rounds never start
@@ -348,8 +388,8 @@ class Scheduler:
                 # The newest token and the accepted drafts keep their (exact, verified) K/V; the rejected drafts'
                 # positions are computed again by a later step, into the same slots.
                 request.num_computed_tokens += 1 + result.num_accepted
-            if request.round.length is not None:  # a round ran: the next one starts afresh
-                request.round = DraftRound(pattern=request.round.pattern, recent_start=request.round.recent_start)
+                if self.policy is not None:  # a round ran (its length set or not: one launched ahead): start afresh
+                    request.round = DraftRound(pattern=request.round.pattern, recent_start=request.round.recent_start)
             if self._append(request, result.tokens):
                 finished.append(request)
         return finished
@@ -364,7 +404,7 @@ class Scheduler:
         stats.num_accepted_tokens += result.num_accepted
         stats.accepted_per_round.append(result.num_accepted)
         stats.drafts_per_round.append(drafted)
-        stats.context_per_round.append(item.first_position)
+        stats.context_per_round.append(request.num_computed_tokens)  # where it started (a bound item's is exact now)
 
     def _append(self, request: Request, tokens: list[int]) -> bool:
         """Append accepted tokens one by one, stopping at a stop token or the length limit."""

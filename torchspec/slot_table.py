@@ -6,15 +6,18 @@ its worst case, which admission reserves anyway), so its row is written once, wh
 step reads the slots of its positions from here: the host builds no slot list per step (the host cost grew
 with the step's tokens) and never needs to know a position's slot before the device does.
 
-Each row also holds the newest token its request emitted when that is a single token (``last_tokens``), so a
-step can be fed the token of the step before it without the host reading it first (delayed verification).
+Each row also holds its request's state as the steps queued on the device leave it: how many of its tokens
+have their K/V computed (``computed``) and its newest token (``last_tokens``). Every step advances them on the
+device (``Runner._advance``) and reads its positions and its newest tokens from them, so a step never needs a
+value the host has not read back yet: the host only adds offsets it knows (a prompt chunk's tokens, a round's
+drafts) to counts the device keeps.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from torchspec.request import Request
@@ -28,6 +31,7 @@ class SlotTable:
         self.device = device
         self.slots = torch.zeros(0, 0, dtype=torch.int64, device=device)
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)
+        self.computed = torch.zeros(0, dtype=torch.int64, device=device)
         self._rows: dict[int, int] = {}  # id(request) -> row
         self._free_rows: list[int] = []
 
@@ -47,6 +51,7 @@ class SlotTable:
             if count > self.slots.shape[1]:
                 self._grow(rows=self.slots.shape[0], width=max(count, 2 * self.slots.shape[1], 256))
             self.slots[row, :count] = to_device(request.slots, self.device)
+            self.computed[row] = request.num_computed_tokens
         return self._rows[key]
 
     def release(self, request: Request) -> None:
@@ -60,25 +65,47 @@ class SlotTable:
         grown = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
         grown[:old_rows, :old_width] = self.slots
         self.slots = grown
-        last_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        last_tokens[:old_rows] = self.last_tokens
-        self.last_tokens = last_tokens
+        self.last_tokens = _grown(self.last_tokens, rows)
+        self.computed = _grown(self.computed, rows)
         self._free_rows = list(range(rows - 1, old_rows - 1, -1)) + self._free_rows
 
-    def gather(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> tuple[list[int], torch.Tensor]:
-        """Concatenated slots of positions ``[starts[i], ends[i])`` of each row: an indptr (host) and the
-        flat slot list (device), built by one gather without reading anything back."""
-        lengths = [end - start for start, end in zip(starts, ends, strict=True)]
-        indptr = list(itertools.accumulate(lengths, initial=0))
-        total = indptr[-1]
+    def gather(
+        self,
+        rows: Sequence[int],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        shrink: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated slots of positions ``[starts[i], ends[i] - shrink[i])`` of each row: the offsets
+        (``[len(rows) + 1]``) and the flat slot list, both on the device, built without reading anything back.
+        ``shrink`` (device, >= 0; None: none) shortens the ranges by what only the device knows (a round launched
+        ahead starts where the round in flight leaves it); the list then keeps the length the host's ranges
+        give, its tail past the offsets unused."""
+        count = len(rows)
+        lengths = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+        indptr = np.concatenate([[0], np.cumsum(lengths)])
+        total = int(indptr[-1])
+        sent = to_device(np.concatenate([rows, starts, lengths, indptr]), self.device)
+        row, start, length, indptr_t = sent.split([count, count, count, count + 1])
+        if shrink is not None:
+            indptr_t = torch.cat([indptr_t[:1], (length - shrink).cumsum(0)])
         if total == 0:
-            return indptr, torch.zeros(0, dtype=torch.int64, device=self.device)
-        meta = to_device([rows, starts, indptr[:-1], lengths], self.device)
-        row, start, offset, length = meta
-        entry = torch.repeat_interleave(torch.arange(len(rows), device=self.device), length, output_size=total)
-        positions = torch.arange(total, device=self.device) - offset[entry] + start[entry]
-        return indptr, self.slots[row[entry], positions]
+            return indptr_t, torch.zeros(0, dtype=torch.int64, device=self.device)
+        flat = torch.arange(total, device=self.device)
+        if shrink is None:
+            entry = torch.repeat_interleave(torch.arange(count, device=self.device), length, output_size=total)
+        else:  # the tail past the last offset belongs to the last row, clamped to its width
+            entry = torch.searchsorted(indptr_t[1:], flat, right=True).clamp(max=count - 1)
+        positions = (flat - indptr_t[entry] + start[entry]).clamp(max=self.slots.shape[1] - 1)
+        return indptr_t, self.slots[row[entry], positions]
 
     def lookup(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Slots at ``positions`` (any shape, -1 = padding, kept) of ``rows`` (broadcast against it)."""
         return torch.where(positions >= 0, self.slots[rows, positions.clamp(min=0)], -1)
+
+
+def _grown(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """``values`` (one per row) followed by zeros up to ``rows``."""
+    grown = torch.zeros(rows, dtype=values.dtype, device=values.device)
+    grown[: values.shape[0]] = values
+    return grown

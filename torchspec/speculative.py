@@ -9,17 +9,22 @@ token is then distributed exactly as the target's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 
-def accept_greedy(target_tokens: Sequence[int], drafts: Sequence[int]) -> tuple[int, list[int]]:
-    """``target_tokens`` are the argmax after the newest token and after each draft (``len(drafts) + 1``)."""
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == target_tokens[accepted]:
-        accepted += 1
-    return accepted, [*drafts[:accepted], target_tokens[accepted]]
+def accept_greedy(
+    target_tokens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance for a batch of rounds at once, on the device: round j's argmax after its newest token
+    and after each draft are ``target_tokens[j]`` (``[J, n + 1]``), its drafts ``drafts[j]`` (``[J, n]``), entries
+    past ``num_drafts[j]`` padding. Returns ``accepted[j]``, the drafts equal to the argmax before the first
+    mismatch, and ``next_token[j]``, the argmax after them: round j emits ``drafts[j, :accepted[j]]`` then
+    ``next_token[j]``."""
+    n = drafts.shape[1]
+    steps = torch.arange(n, device=drafts.device)
+    matches = (drafts == target_tokens[:, :n]) & (steps < num_drafts[:, None])
+    accepted = matches.long().cumprod(dim=1).sum(dim=1)
+    return accepted, target_tokens.gather(1, accepted[:, None])[:, 0]
 
 
 def accept_sampled(

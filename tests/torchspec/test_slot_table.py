@@ -36,7 +36,7 @@ def test_gather_and_lookup_follow_the_requests_slots_through_growth_and_reuse():
     indptr, flat = table.gather(rows, starts, ends)
     expected = [slot for row, start, end in zip(rows, starts, ends, strict=True) for slot in truth[row][start:end]]
     assert flat.tolist() == expected
-    assert indptr == [0, *torch.tensor([e - s for s, e in zip(starts, ends, strict=True)]).cumsum(0).tolist()]
+    assert indptr.tolist() == [0, *torch.tensor([e - s for s, e in zip(starts, ends, strict=True)]).cumsum(0).tolist()]
 
     positions = torch.tensor([[0, -1, 5], [2, 3, -1]])
     looked_up = table.lookup(torch.tensor([rows[1], rows[4], rows[4]]), positions)

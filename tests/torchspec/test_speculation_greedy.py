@@ -137,9 +137,13 @@ class Recorder:
 
         def spy_collect(step: LaunchedStep) -> list[StepResult]:
             plan = step.plan
+            # Where each item starts: a bound item (launched ahead of a round) starts where that round ended,
+            # which the host knows now, the round before this step being committed.
             before = [
-                (item, item.first_position, list(item.request.round.tokens), item.samples) for item in plan.scheduled
-            ]
+                (item, item.request.num_computed_tokens if item.bound else item.first_position,
+                 list(item.request.round.tokens), item.samples)
+                for item in plan.scheduled
+            ]  # fmt: skip
             results = collect(step)
             recorder.step_tokens.append(plan.num_tokens)
             recorder.step_prefill_tokens.append(

@@ -123,8 +123,17 @@ def count_table(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
 )
 def test_accept_greedy(targets, drafts, accepted, tokens):
     """accept_greedy keeps exactly the prefix of drafts equal to the target argmax and appends the argmax at the
-    first mismatch (or the bonus argmax): the emitted tokens are plain greedy decoding's."""
-    assert accept_greedy(targets, drafts) == (accepted, tokens)
+    first mismatch (or the bonus argmax): the emitted tokens are plain greedy decoding's. Each case runs in a
+    batch next to a longer round, so it is padded: padding that happens to equal the argmax must not count."""
+    n = len(drafts)
+    width = n + 2
+    pad_targets = targets + [targets[-1]] * (width + 1 - len(targets))  # padding equal to the argmax
+    target_tokens = torch.tensor([pad_targets, list(range(width + 1))])
+    padded = torch.tensor([drafts + pad_targets[n:width], list(range(width))])
+    got_accepted, got_next = accept_greedy(target_tokens, padded, torch.tensor([n, width]))
+    assert got_accepted.tolist() == [accepted, width]
+    assert [*drafts[:accepted], got_next[0].item()] == tokens
+    assert got_next[1].item() == width  # the other round: all drafts match, then the bonus argmax
 
 
 # -- accept_sampled ------------------------------------------------------------------------------------------------
@@ -504,6 +513,42 @@ def test_speculative_sampling_is_lossless(draft, draft_chain, cuda_graphs, delay
         f"rounds, "
         f"rejection rate {rejection_rate:.3f})",
     )
+
+
+LONG_TOKENS = 9  # past the first rounds: later ones launch ahead of a round in flight
+
+
+@pytest.mark.parametrize("cuda_graphs", [None, True], ids=["dynamic", "graphs"])
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_rounds_ahead_sample_the_plain_distribution(sampling, cuda_graphs, monkeypatch):
+    """Rounds launched while the request's last round is in flight start where only the device knows (the host
+    assumes every draft of the round in flight accepted): their positions, lists, stop-token masks and
+    rejection sampling must still give the target distribution. 1200 samples of 9 tokens with rounds ahead
+    against draft=None's: each of tokens 5-9 (made by rounds launched ahead) and the pair (8, 9), two-sample
+    chi-square, Bonferroni over the 6 comparisons; the run must have launched rounds ahead, with drafts both
+    accepted and rejected."""
+    wrapped = _wrap("pillar", NUM_SAMPLES, PROMPT, LONG_TOKENS, delayed_verify=True, cuda_graphs=cuda_graphs)
+    assert wrapped.engine.rounds_ahead
+    runner, launch, bound = wrapped.engine.runner, wrapped.engine.runner.launch, []
+    monkeypatch.setattr(
+        runner, "launch", lambda plan: bound.append(sum(i.bound for i in plan.scheduled)) or launch(plan)
+    )
+    ahead = torch.tensor(
+        [o.token_ids for o in generate(wrapped, 21, PROMPT, NUM_SAMPLES, LONG_TOKENS, **SAMPLING[sampling])]
+    )
+    stats = wrapped.last_stats
+    plain_run = generate(
+        _wrap(None, NUM_SAMPLES, PROMPT, LONG_TOKENS), 22, PROMPT, NUM_SAMPLES, LONG_TOKENS, **SAMPLING[sampling]
+    )
+    plain = torch.tensor([o.token_ids for o in plain_run])
+    assert sum(bound) >= NUM_SAMPLES, f"only {sum(bound)} rounds launched ahead"
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    p_values = {
+        f"t{i + 1}": two_sample(count_table(ahead[:, i : i + 1], VOCAB), count_table(plain[:, i : i + 1], VOCAB))
+        for i in range(4, LONG_TOKENS)
+    }
+    p_values["t8t9"] = two_sample(count_table(ahead[:, 7:9], VOCAB), count_table(plain[:, 7:9], VOCAB))
+    assert_p_values(p_values, f"rounds ahead {sampling} graphs={cuda_graphs} ({sum(bound)} launched ahead)")
 
 
 # -- min_new_tokens and EOS --------------------------------------------------------------------------------------

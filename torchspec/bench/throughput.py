@@ -130,6 +130,7 @@ def measure(
     outputs = generate(max_new_tokens)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = wrapped.last_stats
+    graphs = wrapped.engine.runner.graphs
     generated = sum(len(o.token_ids) for o in outputs)
     return {
         "draft": draft,
@@ -154,6 +155,9 @@ def measure(
         # Where the time went: the first steps (prompts, graph captures, compiles), then steps by batch size.
         "first_20_steps_s": sum(seconds for _, seconds, _ in timeline.steps[:20]),
         "steps_by_batch": timeline.by_batch(),
+        # Graph captures of the whole call, warm-up included (a draining batch captures at new buckets).
+        "graph_captures": None if graphs is None else graphs.captures.count,
+        "graph_capture_s": None if graphs is None else graphs.captures.seconds,
         "kv_capacity_tokens": wrapped.engine.kv_capacity_tokens,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         **environment(device, next(model.parameters()).dtype),
