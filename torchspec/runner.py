@@ -596,7 +596,10 @@ class Runner:
     def _learn_from_verify(self, plan: StepPlan, metadata: AttentionMetadata) -> None:
         """Hand the step's verify attention mass ``[layers, Hkv, verifies, width]`` (stacked on the device; each
         verify's positions in its row) to the policy, with each learning verify's row and context; those and the
-        scored counts come from the plan, not from the device."""
+        scored counts come from the plan, not from the device. A round launched ahead (``bound``) may start up to
+        ``ahead - 1`` positions before the host's bound: its first query is handed over as the earliest it can
+        be, so the positions it may hold count as recent (always read by the next drafts) and never as
+        candidates of the policy's Top-K (they would then be read twice, or, past the true start, not at all)."""
         if self.policy is None:
             return
         full_items = plan.scheduled[metadata.num_drafts :]
@@ -608,7 +611,7 @@ class Runner:
                 requests.append(item.request)
                 rows.append(row)
                 contexts.append(context)
-                first_queries.append(context - (count or item.num_query_tokens))
+                first_queries.append(context - (count or item.num_query_tokens) - (item.ahead - 1 if item.bound else 0))
         if not requests:
             return
         stacked = None

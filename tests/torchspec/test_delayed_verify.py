@@ -173,3 +173,43 @@ def test_delayed_speculation_alternates_halves_launched_before_read_back(monkeyp
     for plan in rounds[:-1]:
         following = plans[plans.index(plan) + 1]
         assert order.index(("launch", id(following))) < order.index(("collect", id(plan))), "not overlapped"
+
+
+def test_rounds_ahead_draft_over_the_whole_recent_window(monkeypatch):
+    """A round launched ahead learns from a verify whose true start only the device knows (the round before it
+    may have accepted fewer drafts than the host assumed). Its drafts must still read every one of the
+    ``recent_window`` positions before their own, each once: with the window cut short at the host's assumed
+    start, acceptance fell where the synchronous loop's did not (W1), and positions the Top-K also picks would
+    be read twice."""
+    window = 16
+    wrapped = sparsespec.wrap(
+        SPECS[0].build(), draft="pillar_recent", delayed_verify=True, k=4, min_budget=40, sparsity=0.05,
+        recent_window=window, kv_capacity_tokens=2048,
+    )  # fmt: skip
+    assert wrapped.engine.rounds_ahead
+    runner, lists = wrapped.engine.runner, []
+    draft_lists, lookup = runner._draft_lists, runner.table.lookup
+
+    def spy_draft_lists(rows, positions, fixed, recent_from, shifts=None):
+        seen = {}
+
+        def spy_lookup(entry_rows, entry_positions):
+            seen["positions"] = entry_positions[0, 0].clone()  # the first sparse layer's first KV head
+            return lookup(entry_rows, entry_positions)
+
+        monkeypatch.setattr(runner.table, "lookup", spy_lookup)
+        view, offsets = draft_lists(rows, positions, fixed, recent_from, shifts)
+        monkeypatch.setattr(runner.table, "lookup", lookup)
+        shift = [0] * len(positions) if shifts is None else shifts.tolist()
+        for j, (position, behind) in enumerate(zip(positions, shift, strict=True)):
+            entries = seen["positions"][offsets[j] : offsets[j + 1]].tolist()
+            lists.append((position - behind, [p for p in entries if p >= 0], shifts is not None))
+        return view, offsets
+
+    monkeypatch.setattr(runner, "_draft_lists", spy_draft_lists)
+    wrapped.generate(**BATCH.kwargs(), max_new_tokens=40, do_sample=False)
+    assert any(ahead for *_, ahead in lists), "no round was launched ahead"
+    for position, entries, _ in lists:
+        assert len(entries) == len(set(entries)), f"draft at {position} reads a position twice: {sorted(entries)}"
+        missing = set(range(max(0, position - window), position + 1)) - set(entries)
+        assert not missing, f"draft at {position} misses recent positions {sorted(missing)}"
