@@ -1,0 +1,95 @@
+"""GPU busy time per engine step in steady state, and the kernels that fill it (CUDA only).
+
+    python benchmarks/gpu_busy_profile.py MODEL.gguf NEW_TOKENS DRAFT STEPS SPAN ['{"engine": "options"}']
+
+Runs W1's prompts (256, T=0.65, EOS held back) with ``DRAFT`` (``none`` or a policy) after a 16-token warm-up;
+for ``SPAN`` steps from each step number in ``STEPS`` (comma-separated) it records the GPU's kernels with
+``torch.profiler`` (CUDA activity only) and prints the wall time per step, the GPU busy time per step (the union
+of kernel intervals), their span, and the kernels by total time. The profiler slows the host (each kernel
+launched outside a graph is traced), so the wall times here run above the unprofiled ones; the GPU busy times
+stand. The step windows are found by wrapping ``Engine._commit`` (a diagnostic, not an engine option). Raw
+H200 output: ``results/gpu_busy_profile_h200.txt``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from torchspec import engine, sparsespec
+from torchspec.models import load_model
+from torchspec.workloads import reasoning_prompt_ids
+
+
+def report(prof: profile, wall_ms: float, steps: int) -> None:
+    """Busy time (union of kernel intervals), span and kernel totals, per step."""
+    kernels = [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    intervals = sorted((event.time_range.start, event.time_range.end) for event in kernels)
+    busy, start, end = 0, None, None
+    for first, last in intervals:
+        if end is None or first > end:
+            busy += 0 if end is None else end - start
+            start, end = first, last
+        else:
+            end = max(end, last)
+    busy += 0 if end is None else end - start
+    span = max(last for _, last in intervals) - intervals[0][0]
+    totals, counts = collections.Counter(), collections.Counter()
+    for event in kernels:
+        totals[event.name[:60]] += event.time_range.end - event.time_range.start
+        counts[event.name[:60]] += 1
+    print(
+        f"WINDOW steps={steps} wall_ms_per_step={wall_ms / steps:.2f} gpu_busy_ms_per_step={busy / 1e3 / steps:.2f} "
+        f"gpu_span_ms={span / 1e3 / steps:.2f} kernels_per_step={len(kernels) / steps:.0f}",
+        flush=True,
+    )
+    for name, micros in totals.most_common(22):
+        print(f"   {micros / 1e3 / steps:7.3f} ms/step {counts[name] / steps:6.1f}x  {name}")
+
+
+def main() -> None:
+    path, new_tokens, draft, windows, span, *rest = sys.argv[1:]
+    starts, span = {int(step) for step in windows.split(",")}, int(span)
+    options = json.loads(rest[0]) if rest else {}
+    model, tokenizer = load_model(path, dtype=torch.bfloat16, device="cuda")
+    prompts = [list(prompt) for prompt in reasoning_prompt_ids(tokenizer, 256)]
+    wrapped = sparsespec.wrap(model, draft=None if draft == "none" else draft, max_batch_size=256, **options)
+    sampling = {"do_sample": True, "temperature": 0.65}
+    wrapped.generate_batch(prompts, max_new_tokens=16, min_new_tokens=16, **sampling)
+    state = {"steps": 0, "profiler": None}
+    commit = engine.Engine._commit
+
+    def windowed_commit(self, scheduler, step):
+        result = commit(self, scheduler, step)
+        state["steps"] += 1
+        if state["steps"] in starts:
+            running = scheduler.running
+            context = sum(request.num_computed_tokens for request in running) / max(1, len(running))
+            window = f"window at step {state['steps']}: batch {len(running)} mean context {context:.0f}"
+            print(f"== {draft} {options} {window}")
+            state["profiler"] = profile(activities=[ProfilerActivity.CUDA])
+            state["profiler"].__enter__()
+            state["start"] = time.perf_counter()
+        elif state["profiler"] is not None and state["steps"] - span in starts:
+            torch.cuda.synchronize()
+            wall_ms = 1e3 * (time.perf_counter() - state["start"])
+            state["profiler"].__exit__(None, None, None)
+            report(state["profiler"], wall_ms, span)
+            state["profiler"] = None
+        return result
+
+    engine.Engine._commit = windowed_commit
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    wrapped.generate_batch(prompts, max_new_tokens=int(new_tokens), min_new_tokens=int(new_tokens), **sampling)
+    stats = wrapped.last_stats
+    print(f"total {time.perf_counter() - start:.1f} s; steps {stats.steps} mean accepted {stats.mean_accepted:.3f}")
+
+
+if __name__ == "__main__":
+    main()
