@@ -8,7 +8,8 @@ import torch
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
 from torchspec.bench import decode_step, host_step, step_profile
-from torchspec.bench.throughput import main, measure, parse_setting
+from torchspec.bench.records import parse_setting
+from torchspec.bench.throughput import main, measure
 from torchspec.kv_cache import bytes_per_token
 
 pytestmark = pytest.mark.slow
@@ -92,6 +93,8 @@ def test_host_step_times_decoding_steps_without_a_forward():
     assert speculative["rounds"] > 0 and plain["rounds"] == 0
     parts = speculative["ops_by_part"]  # a round selects tokens, builds draft lists and learns from its verify
     assert {"token selection", "step metadata", "draft lists", "verify learning", "graph inputs"} <= set(parts)
+    sites = speculative["ops_by_site"]  # engine lines, most ops first; none in the replays' stand-ins
+    assert any(site.startswith("runner.py:") for site in sites) and list(sites.values()) == sorted(sites.values())[::-1]
     assert parts["chain replay (stand-in)"] > 0  # the chain's later forwards ran from the chain graph
     host_parts = sum(n for part, n in parts.items() if "replay" not in part)
     assert abs(host_parts - speculative["ops_per_step"]) < 0.5 * speculative["ops_per_step"]

@@ -1,6 +1,6 @@
 """Host time of an engine step on its own: the decoding forward replaced by random logits.
 
-    python -m torchspec.bench.host_step --batch 256 --drafts none pillar_recent --draft-chain auto off --out host.jsonl
+    python -m torchspec.bench.host_step --batch 256 --drafts none pillar_recent pillar_recent+delayed_verify
 
 With CUDA graphs the GPU forward of a decoding step is one replay, so what remains of a step is host work:
 scheduling, slot lists, token selection, speculation bookkeeping. This measures that floor on any machine (no
@@ -10,7 +10,8 @@ random verify scores); the static buffers are filled as for a replay. The vocabu
 GPU the work over the whole vocabulary (softmax, sampling) is device time, not host time, and on a CPU it
 would swamp what this measures. Reported: the median wall time of full-batch decoding steps (everything the engine
 does per step, the stand-ins for graph replays included; every other step), the median count of tensor ops the
-other steps dispatch outside the replays, and all their ops split by part of the step.
+other steps dispatch outside the replays, all their ops split by part of the step, and the engine lines that
+dispatch the most of them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import contextlib
 import itertools
 import random
 import statistics
+import sys
 import time
+import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -28,13 +32,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
 from torchspec import sparsespec
-from torchspec.bench.records import append_record, environment
-from torchspec.config import DRAFT_POLICIES
+from torchspec.bench.records import append_record, environment, parse_setting
 from torchspec.request import SamplingParams
 from torchspec.scheduler import Phase
 
 VOCAB_SIZE = 512
-CHAIN_SETTINGS = {"auto": None, "off": False}  # --draft-chain: the engine's default, or one draft per step
+TOP_SITES = 25  # engine lines reported by ops dispatched
+ENGINE_ROOT = Path(__file__).resolve().parents[1]  # the torchspec package
+BENCH_ROOT = Path(__file__).resolve().parent
 
 
 def _tiny_model(seed: int) -> torch.nn.Module:
@@ -77,6 +82,7 @@ class _OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: dict[str, int] = {}
+        self.sites: dict[str, int] = {}  # "file:function:line" of the innermost engine frame -> ops
         self._parts: list[str] = []
 
     @property
@@ -84,7 +90,7 @@ class _OpCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
     def reset(self) -> None:
-        self.counts = {}
+        self.counts, self.sites = {}, {}
 
     def attribute(self, owner: object, name: str, label: str) -> None:
         """Count the ops of ``owner.name`` (a method, replaced on the instance) under ``label``."""
@@ -102,7 +108,20 @@ class _OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         part = self._parts[-1] if self._parts else "other"
         self.counts[part] = self.counts.get(part, 0) + 1
+        if part not in REPLAYED_PARTS:
+            site = _engine_site(sys._getframe(1))
+            self.sites[site] = self.sites.get(site, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+def _engine_site(frame: types.FrameType | None) -> str:
+    """Where the engine dispatched an op: the innermost frame in ``torchspec`` outside the benchmarks."""
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if ENGINE_ROOT in path.parents and BENCH_ROOT not in path.parents:
+            return f"{path.relative_to(ENGINE_ROOT)}:{frame.f_code.co_name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "(outside the engine)"
 
 
 def measure(
@@ -111,17 +130,18 @@ def measure(
     new_tokens: int,
     draft: str | None,
     temperature: float,
-    draft_chain: bool | None = None,
     seed: int = 0,
     top_k: int = 50,
+    **options: bool,
 ) -> dict:
     """Median host time of a full-batch decoding step of ``batch`` requests (forward replaced), and the host
     time per token those steps emitted (a chained step drafts a whole round: longer, and fewer of them).
     ``top_k``: sampling's top-k, W1's by default (transformers' 50, which ``generate_batch`` applies); it keeps a
-    round's draft token selection out of the chain graph, so it changes what a step runs."""
+    round's draft token selection out of the chain graph, so it changes what a step runs. ``options``: engine
+    switches (``draft_chain``, ``delayed_verify``, ...; left out: the engine's defaults on a CPU)."""
     model = _tiny_model(seed)
     wrapped = sparsespec.wrap(
-        model, draft=draft, max_batch_size=batch, cuda_graphs=True, min_budget=16, draft_chain=draft_chain
+        model, draft=draft, max_batch_size=batch, min_budget=16, **({"cuda_graphs": True} | options)
     )
     engine = wrapped.engine
     graphs = engine.runner.graphs
@@ -176,6 +196,7 @@ def measure(
     step_tokens: list[int] = []
     op_counts: list[int] = []
     part_counts: list[dict[str, int]] = []
+    site_counts: dict[str, int] = {}
     steps = iter(engine.steps(requests))
     # Half the steps count ops (the count slows them), the others are timed: chosen at random, because chained
     # drafts and verifies can alternate step by step and a fixed alternation would time only one kind.
@@ -196,15 +217,19 @@ def measure(
                 replayed = sum(n for part, n in counter.counts.items() if part in REPLAYED_PARTS)
                 op_counts.append(counter.count - replayed)
                 part_counts.append(counter.counts)
+                for site, count in counter.sites.items():
+                    site_counts[site] = site_counts.get(site, 0) + count
             else:
                 step_times.append(elapsed)
                 step_tokens.append(sum(request.num_output_tokens for request in requests) - emitted)
     stats = engine.stats_for(requests)
     return {
         "draft": draft,
+        "options": {name: str(value) for name, value in options.items()},
         "batch": batch,
         "steps_timed": len(step_times),
         "draft_chain": engine.draft_chain,
+        "rounds_ahead": engine.rounds_ahead,
         "top_k": top_k,
         "host_ms_per_step": 1e3 * statistics.median(step_times),
         "host_us_per_token": 1e6 * sum(step_times) / max(sum(step_tokens), 1),
@@ -214,6 +239,11 @@ def measure(
         "ops_by_part": {
             part: sum(counts.get(part, 0) for counts in part_counts) / len(part_counts)
             for part in sorted({part for counts in part_counts for part in counts})
+        },
+        # Where they come from: the engine lines dispatching the most ops per step (the next cuts to make).
+        "ops_by_site": {
+            site: count / len(part_counts)
+            for site, count in sorted(site_counts.items(), key=lambda item: -item[1])[:TOP_SITES]
         },
         "tokens_per_step": stats.generated_tokens / max(stats.steps, 1),
         "rounds": stats.num_rounds,
@@ -229,31 +259,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.65)
     parser.add_argument("--top-k", type=int, default=50, help="sampling's top-k (W1: transformers' default 50)")
-    parser.add_argument("--drafts", nargs="+", default=["none", "pillar_recent"], choices=["none", *DRAFT_POLICIES])
     parser.add_argument(
-        "--draft-chain", nargs="+", default=["auto"], choices=list(CHAIN_SETTINGS), help="draft_chain settings to run"
+        "--drafts",
+        nargs="+",
+        default=["none", "pillar_recent"],
+        help="runs, each a draft policy or none, optionally with +switch / -switch (e.g. pillar_recent-draft_chain)",
     )
     parser.add_argument("--out", help="append one JSON line per draft setting")
     args = parser.parse_args(argv)
-    for draft, chain in itertools.product(args.drafts, args.draft_chain):
-        if draft == "none" and chain != "auto":
-            continue  # plain decoding has no drafts to chain
+    try:
+        settings = [(text, *parse_setting(text)) for text in args.drafts]
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
+    for text, draft, options in settings:
         record = measure(
-            args.batch,
-            args.prompt_len,
-            args.new_tokens,
-            None if draft == "none" else draft,
-            args.temperature,
-            CHAIN_SETTINGS[chain],
-            top_k=args.top_k,
+            args.batch, args.prompt_len, args.new_tokens, draft, args.temperature, top_k=args.top_k, **options
         )
+        record["setting"] = text
         print(
-            f"draft={draft} draft_chain={record['draft_chain']} top_k={args.top_k}: "
-            f"{record['host_ms_per_step']:.2f} ms of host time "
+            f"{text} (draft_chain={record['draft_chain']}, rounds_ahead={record['rounds_ahead']}, top_k="
+            f"{args.top_k}): {record['host_ms_per_step']:.2f} ms of host time "
             f"and {record['ops_per_step']:.0f} tensor ops per step, {record['host_us_per_token']:.0f} us per "
             f"token, at batch {args.batch}; ops by part: "
             + ", ".join(f"{part} {count:.0f}" for part, count in record["ops_by_part"].items())
         )
+        print("  ops per step by engine line: " + ", ".join(
+            f"{site} {count:.0f}" for site, count in itertools.islice(record["ops_by_site"].items(), 12)
+        ))  # fmt: skip
         append_record(args.out, record)
 
 

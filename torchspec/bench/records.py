@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 import torch
 
 from attention import BACKENDS
+from torchspec.config import DRAFT_POLICIES
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -39,6 +41,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, nargs="?", const="on", default="auto", choices=list(SWITCHES), help=meaning)
     parser.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention op set")
+
+
+def parse_setting(text: str) -> tuple[str | None, dict[str, bool]]:
+    """A ``--drafts`` entry: a draft policy (or ``none``), then engine switches turned on (``+name``) or off
+    (``-name``) for that run alone, e.g. ``pillar_recent+compile-adaptive_rounds``: one command runs an
+    ablation."""
+    draft, *switches = re.split(r"(?=[+-])", text)
+    if draft not in ("none", *DRAFT_POLICIES):
+        raise argparse.ArgumentTypeError(f"unknown draft {draft!r} in {text!r}; use none or one of {DRAFT_POLICIES}")
+    overrides = {}
+    for switch in switches:
+        name = switch[1:]
+        if name not in ENGINE_SWITCHES:
+            raise argparse.ArgumentTypeError(f"unknown switch {name!r} in {text!r}; use one of {list(ENGINE_SWITCHES)}")
+        overrides[name] = switch[0] == "+"
+    return None if draft == "none" else draft, overrides
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, bool | str | None]:

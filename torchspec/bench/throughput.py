@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -28,15 +27,14 @@ import torch
 
 from torchspec import sparsespec
 from torchspec.bench.records import (
-    ENGINE_SWITCHES,
     add_engine_arguments,
     add_model_arguments,
     append_record,
     engine_options,
     environment,
+    parse_setting,
 )
 from torchspec.causal_lm import RequestOutput
-from torchspec.config import DRAFT_POLICIES
 from torchspec.engine import Engine
 from torchspec.models import load_model
 from torchspec.workloads import reasoning_prompt_ids
@@ -162,22 +160,6 @@ def measure(
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         **environment(device, next(model.parameters()).dtype),
     }
-
-
-def parse_setting(text: str) -> tuple[str | None, dict[str, bool]]:
-    """A ``--drafts`` entry: a draft policy (or ``none``), then engine switches turned on (``+name``) or off
-    (``-name``) for that run alone, e.g. ``pillar_recent+compile-adaptive_rounds``: one command runs an
-    ablation."""
-    draft, *switches = re.split(r"(?=[+-])", text)
-    if draft not in ("none", *DRAFT_POLICIES):
-        raise argparse.ArgumentTypeError(f"unknown draft {draft!r} in {text!r}; use none or one of {DRAFT_POLICIES}")
-    overrides = {}
-    for switch in switches:
-        name = switch[1:]
-        if name not in ENGINE_SWITCHES:
-            raise argparse.ArgumentTypeError(f"unknown switch {name!r} in {text!r}; use one of {list(ENGINE_SWITCHES)}")
-        overrides[name] = switch[0] == "+"
-    return None if draft == "none" else draft, overrides
 
 
 def main(argv: list[str] | None = None) -> None:
