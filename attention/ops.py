@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from attention import layer_kernels, paged
-from attention.reference import MASS_DTYPE, OP_NAMES, FirstLists
+from attention.reference import OP_NAMES, FirstLists
 from attention.reference import store_kv as store_kv  # a plain index copy: no kernel of its own
 
 __all__ = list(OP_NAMES)
@@ -57,7 +57,7 @@ def _(query, k_cache, v_cache, cu_seqlens_q, kv_indptr, kv_indices, scale, slidi
     return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
 
 
-@torch.library.custom_op("torchspec::attention_mass", mutates_args=())
+@torch.library.custom_op("torchspec::attention_mass", mutates_args=("out",))
 def _attention_mass(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -68,9 +68,9 @@ def _attention_mass(
     scale: float,
     num_scored_queries: torch.Tensor,
     max_scored: int | None,
-    max_kv_len: int | None,
-) -> torch.Tensor:
-    return paged.attention_mass(
+    out: torch.Tensor,
+) -> None:
+    paged.attention_mass(
         query,
         k_cache,
         cu_seqlens_q,
@@ -80,15 +80,13 @@ def _attention_mass(
         scale,
         num_scored_queries,
         max_scored=max_scored,
-        max_kv_len=max_kv_len,
+        out=out,
     )
 
 
 @_attention_mass.register_fake
-def _(query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, lse, scale, num_scored_queries, max_scored, max_kv_len):
-    if max_kv_len is None:  # the width is the longest list: a value on the device, unknown when tracing
-        raise ValueError("attention_mass under torch.compile needs max_kv_len (its output's width)")
-    return query.new_empty((k_cache.shape[1], cu_seqlens_q.shape[0] - 1, max_kv_len), dtype=MASS_DTYPE)
+def _(query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, lse, scale, num_scored_queries, max_scored, out):
+    return None
 
 
 def paged_attention(
@@ -134,11 +132,15 @@ def attention_mass(
     *,
     max_scored: int | None = None,
     max_kv_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`attention.reference.attention_mass`."""
-    return _attention_mass(
-        query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, lse, scale, num_scored_queries, max_scored, max_kv_len
+    if out is None:
+        out = paged.mass_buffer(k_cache, cu_seqlens_q, kv_indptr, max_kv_len)
+    _attention_mass(
+        query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, lse, scale, num_scored_queries, max_scored, out
     )
+    return out
 
 
 @torch.library.custom_op("torchspec::rms_norm", mutates_args=())

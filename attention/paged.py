@@ -747,6 +747,15 @@ def paged_attention(
     return out, lse
 
 
+def mass_buffer(
+    k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_indptr: torch.Tensor, max_kv_len: int | None
+) -> torch.Tensor:
+    """An ``attention_mass`` result to write into: ``[Hkv, requests, width]`` (width: ``max_kv_len``, else the
+    longest list, a device sync)."""
+    width = max_kv_len if max_kv_len is not None else _max_len(kv_indptr)
+    return k_cache.new_empty(k_cache.shape[1], cu_seqlens_q.shape[0] - 1, width, dtype=MASS_DTYPE)
+
+
 def attention_mass(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -760,6 +769,7 @@ def attention_mass(
     max_scored: int | None = None,
     max_kv_len: int | None = None,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`attention.reference.attention_mass` (same arguments and result): a second
     pass over the K rows of scored requests only, re-materialising probabilities from the returned LSE.
@@ -770,9 +780,9 @@ def attention_mass(
     group = num_heads // num_kv_heads
     device = query.device
     num_requests = cu_seqlens_q.shape[0] - 1
-    if max_kv_len is None:
-        max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max()) if num_requests else 0
-    mass = torch.zeros(num_kv_heads, num_requests, max_kv_len, dtype=MASS_DTYPE, device=device)
+    mass = out if out is not None else mass_buffer(k_cache, cu_seqlens_q, kv_indptr, max_kv_len)
+    mass.zero_()
+    max_kv_len = mass.shape[-1]
     if num_requests == 0 or kv_indices.shape[-1] == 0:
         return mass
     if max_scored is None:

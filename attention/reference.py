@@ -167,6 +167,7 @@ def attention_mass(
     *,
     max_scored: int | None = None,
     max_kv_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention probability of every list entry, averaged over queries and each GQA group's heads.
 
@@ -176,7 +177,8 @@ def attention_mass(
     shape ``[N]``). Returns ``[num_kv_heads, requests, width]`` in ``MASS_DTYPE``: row ``b`` holds the mass of request
     ``b``'s list entries in list order, zeros past its list. ``width`` is ``max_kv_len`` (at least every list's
     length; None: the longest), so a reader takes a Top-K per request without regrouping a flat list.
-    ``max_scored`` is a launch hint for the kernels, unused here.
+    ``max_scored`` is a launch hint for the kernels, unused here. ``out``: where to write it (zeroed first; the
+    engine gives each layer its row of one buffer, which the draft policy then reads in place); None: a new one.
     """
     num_kv_heads = k_cache.shape[1]
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -186,7 +188,8 @@ def attention_mass(
     width = max_kv_len if max_kv_len is not None else max(lengths, default=0)
     if max(lengths, default=0) > width:  # the Triton kernel would write past its row (it cannot check)
         raise ValueError(f"max_kv_len={width} is shorter than the longest list ({max(lengths)} entries)")
-    mass = torch.zeros(num_kv_heads, len(lengths), width, dtype=MASS_DTYPE, device=query.device)
+    mass = out if out is not None else query.new_empty(num_kv_heads, len(lengths), width, dtype=MASS_DTYPE)
+    mass.zero_()
     for b in range(len(q_bounds) - 1):
         if scored[b] == 0:
             continue

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch
 
-from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
+from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context, verify_mass_buffer
 from torchspec.kv_cache import KVPool
 from torchspec.transfer import to_device
 
@@ -138,7 +138,8 @@ class StepGraphs:
             step.graph.replay()
             logits = step.logits
         self._last = step
-        metadata.mass = step.metadata.mass  # verify j's row is the dynamic step's: real verifies come first
+        # Verify j's row is the dynamic step's: real verifies come first.
+        metadata.mass, metadata.mass_layers = step.metadata.mass, step.metadata.mass_layers
         return logits[: len(rows)]
 
     def _bucket(self, count: int) -> int:
@@ -165,6 +166,10 @@ class StepGraphs:
             }
         cu_seqlens_q = zeros(num_drafts + num_verifies + 1)
         cu_seqlens_q[: num_drafts + 1] = torch.arange(num_drafts + 1, device=self.device)  # drafts: one token each
+        scored = self.scores and num_verifies > 0
+        mass, mass_layers = None, {}
+        if scored:
+            mass, mass_layers = verify_mass_buffer(self.sparse_layers, num_verifies, full_hint, self.device)
         metadata = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), self.pool.scratch_slot, dtype=torch.int64, device=self.device),
             cu_seqlens_q=cu_seqlens_q,
@@ -172,9 +177,11 @@ class StepGraphs:
             full=KVView(zeros(num_verifies + 1), zeros(full_capacity), full_hint),
             num_drafts=num_drafts,
             draft=draft,
-            num_scored_queries=zeros(num_verifies) if self.scores and num_verifies else None,
+            num_scored_queries=zeros(num_verifies) if scored else None,
             max_q_len=self.verify_tokens if num_verifies else 1,
             max_scored_queries=self.verify_tokens if self.scores else 0,
+            mass=mass,
+            mass_layers=mass_layers,
         )
         return _StaticStep(
             num_drafts=num_drafts,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from attention.reference import FirstLists, rotary_embedding
+from attention.reference import MASS_DTYPE, FirstLists, rotary_embedding
 from torchspec.kv_cache import KVPool, LayerSpec
 
 ATTENTION_NAME = "torchspec"
@@ -43,8 +43,8 @@ class AttentionMetadata:
     The first ``num_drafts`` requests are draft steps (one query token each): in full-attention layers they
     read their sparse per-KV-head lists ``draft[layer]``, the other requests read ``full``. Sliding-window
     layers read ``windowed[window]`` for every request. When ``num_scored_queries`` is set, full-attention
-    layers also record the attention mass of those requests' last queries in ``mass[layer]`` (``[Hkv,
-    verifies, width]``, a row per request that reads ``full``, as ``ops.attention_mass`` returns it).
+    layers also record the attention mass of those requests' last queries in ``mass[mass_layers[layer]]``
+    (``[Hkv, verifies, width]``, a row per request that reads ``full``, as ``ops.attention_mass`` computes it).
     """
 
     slot_mapping: torch.Tensor  # [T]: where each new token's K/V goes
@@ -60,10 +60,27 @@ class AttentionMetadata:
     num_scored_queries: torch.Tensor | None = None  # [B - num_drafts]; 0 = not scored
     max_q_len: int = 0  # longest query of a request (a launch hint, known on the host)
     max_scored_queries: int = 0
-    mass: dict[int, torch.Tensor] = field(default_factory=dict)  # filled by the forward: [Hkv, N of full]
+    # Where the forward writes the verify mass (with num_scored_queries): [mass layers, Hkv, verifies, width],
+    # one buffer for all layers, which the draft policy reads in place (no per-layer slices, no stacked copy).
+    mass: torch.Tensor | None = None
+    mass_layers: dict[int, int] = field(default_factory=dict)  # full-attention layer -> its index in ``mass``
 
     def __post_init__(self) -> None:
         self.cu_seqlens_q_full = self.cu_seqlens_q[self.num_drafts :] - self.num_drafts
+
+
+def verify_mass_buffer(
+    layer_heads: dict[int, int], verifies: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, dict[int, int]]:
+    """Storage for a step's verify mass (``AttentionMetadata.mass``) over the full-attention layers
+    ``layer_heads`` (layer -> KV heads, in the draft policy's order), and each layer's index in it. Rows are
+    padded to 16 bytes, so every layer's slab starts 16-byte aligned: Triton specialises a kernel on its
+    pointers' alignment, and slabs aligned on alternate layers would compile the mass kernel twice."""
+    heads = max(layer_heads.values(), default=0)
+    per_16_bytes = 16 // MASS_DTYPE.itemsize
+    width = -(-width // per_16_bytes) * per_16_bytes
+    mass = torch.zeros(len(layer_heads), heads, verifies, width, dtype=MASS_DTYPE, device=device)
+    return mass, {layer: index for index, layer in enumerate(layer_heads)}
 
 
 class AttentionContext(Protocol):
@@ -152,7 +169,7 @@ class PagedForwardContext:
             first_lists=first_lists,
         )
         if meta.num_scored_queries is not None:
-            meta.mass[layer] = ops.attention_mass(
+            ops.attention_mass(
                 query[drafts:],
                 k_cache,
                 meta.cu_seqlens_q_full,
@@ -162,7 +179,7 @@ class PagedForwardContext:
                 scaling,
                 meta.num_scored_queries,
                 max_scored=meta.max_scored_queries,
-                max_kv_len=meta.full.max_len,
+                out=meta.mass[meta.mass_layers[layer], : k_cache.shape[1]],
             )
         return out
 

@@ -20,7 +20,7 @@ from torchspec.cuda_graphs import StepGraphs
 from torchspec.draft_probs import DraftProbsStore
 from torchspec.draft_sampling import DraftSampling
 from torchspec.drafting import DraftPolicy
-from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
+from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context, verify_mass_buffer
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.request import Request
 from torchspec.sampling import suppress_stop_tokens, warped_probs
@@ -60,11 +60,14 @@ class Runner:
         self.table = SlotTable(device)
         self.draft_probs = DraftProbsStore(self.num_draft_slots, device)
         self.graphs = None
+        # Layers that draft sparsely (and whose verify mass the policy learns from) -> their KV heads.
+        self.sparse_heads = {layer: self.num_kv_heads[layer] for layer in (policy.sparse_layers if policy else [])}
         if cuda_graphs:
-            sparse = {layer: self.num_kv_heads[layer] for layer in (policy.sparse_layers if policy else [])}
             scores = policy is not None and policy.uses_verify_scores
             verify_tokens = self.num_draft_slots + 1
-            self.graphs = StepGraphs(self.forward, pool, ops, sparse, verify_tokens, scores, max_batch_size, device)
+            self.graphs = StepGraphs(
+                self.forward, pool, ops, self.sparse_heads, verify_tokens, scores, max_batch_size, device
+            )
         # The later forwards of draft chains as one graph per bucket: policies whose lists the runner builds,
         # models without sliding windows, and (when capturing) the default generator, which graphs replay.
         self.max_batch_size = max_batch_size
@@ -119,11 +122,15 @@ class Runner:
         windowed = {w: (rows, [max(0, start - w + 1) for start in starts], ends) for w in self.windows}
         draft_shifts, full_shifts = (None, None) if shifts is None else (shifts[:num_drafts], shifts[num_drafts:])
         draft, draft_lists = self._draft_views(plan.scheduled[:num_drafts], draft_shifts)
+        full_view = self._view(*full, full_shifts)
+        mass, mass_layers = None, {}
+        if any(scored) and self.sparse_heads:
+            mass, mass_layers = verify_mass_buffer(self.sparse_heads, len(scored), full_view.max_len, self.device)
         metadata = AttentionMetadata(
             slot_mapping=slots,
             cu_seqlens_q=self._tensor(cu_seqlens_q),
             windowed={w: self._view(*ranges) for w, ranges in windowed.items()},
-            full=self._view(*full, full_shifts),
+            full=full_view,
             num_drafts=num_drafts,
             draft=draft,
             draft_lists=draft_lists,
@@ -131,6 +138,8 @@ class Runner:
             num_scored_queries=None if not any(scored) else self._tensor(scored),
             max_q_len=int(lengths.max()),
             max_scored_queries=max(scored, default=0),
+            mass=mass,
+            mass_layers=mass_layers,
         )
         ids = per_token[2] if input_ids is None else input_ids
         # Tokens whose input is the request's newest token, which the device holds.
@@ -616,10 +625,9 @@ class Runner:
             return
         stacked = None
         if any(scored) and self.policy.sparse_layers:
-            # Cut to the longest context first: a graph's mass is as wide as any request may grow (W1: 8.4K
-            # positions at every context), and the stack copies what it is given.
-            width = max(contexts)
-            stacked = torch.stack([metadata.mass[layer][..., :width] for layer in self.policy.sparse_layers])
+            # Read in place, cut to the longest context: a graph's mass is as wide as any request may grow (W1:
+            # 8.4K positions at every context).
+            stacked = metadata.mass[..., : max(contexts)]
         self.policy.on_verifies(requests, stacked, rows, contexts, first_queries)
 
     def _pick(

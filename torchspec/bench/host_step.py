@@ -165,8 +165,7 @@ def measure(
         static = step.metadata
         if static.num_scored_queries is not None:
             verifies, width = static.full.kv_indptr.shape[0] - 1, static.full.max_len
-            masses = bank_slice("masses", 2, verifies * width).unflatten(2, (verifies, width)).unbind(0)
-            static.mass = dict(zip(sparse_layers, masses, strict=True))
+            static.mass = bank_slice("masses", 2, verifies * width).unflatten(2, (verifies, width))
         return bank_slice("logits", 0, step.input_ids.shape[1])
 
     graphs._run_forward = random_forward
