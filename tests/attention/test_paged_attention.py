@@ -482,7 +482,7 @@ def test_attention_mass_is_the_mean_softmax_of_the_scored_queries(gqa_ratio):
     """Verify scores: per (KV head, request, list entry) the softmax probability averaged over the last
     ``num_scored`` queries of the request and its group's query heads, from dense softmax, in the request's row
     of a ``[Hkv, requests, width]`` tensor; unscored requests and entries past a list stay 0. The width is the
-    longest list, or the ``max_kv_len`` given (a graph's fixed bound)."""
+    longest list, the ``max_kv_len`` given (a graph's fixed bound), or that of the ``out`` buffer given."""
     lens = [(9, 70), (1, 20), (9, 9), (5, 130)]
     scored = torch.tensor([9, 0, 4, 2])
     batch = _Batch(lens, 2 * gqa_ratio, 2, 64, seed=gqa_ratio)
@@ -509,6 +509,14 @@ def test_attention_mass_is_the_mean_softmax_of_the_scored_queries(gqa_ratio):
                 mass.float(), expected[..., : width or 130], atol=1e-7, rtol=1e-3,
                 msg=lambda m, name=name: f"{name}: {m}",
             )  # fmt: skip
+    # Written into a given buffer (one layer's slab of the engine's stacked mass), over what it held before.
+    for function, device in ((reference.attention_mass, "cpu"), (paged.attention_mass, KERNEL_DEVICE)):
+        stacked = torch.full((3, 2, len(lens), 160), 7.0, dtype=reference.MASS_DTYPE, device=device)
+        slab = stacked[1]
+        moved = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
+        assert function(*moved, out=slab) is slab
+        torch.testing.assert_close(slab.float().cpu(), expected, atol=1e-7, rtol=1e-3, msg=str(device))
+        assert (stacked[[0, 2]] == 7).all(), f"{function.__module__} wrote outside its slab"
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
