@@ -121,8 +121,11 @@ class DraftSampling:
             return logits.argmax(dim=-1)
         candidates, support = logits, None
         if self.support is not None and self.support < logits.shape[-1]:
-            candidates, support = logits.topk(self.support, dim=-1)
-        probs = warp_logits(candidates, self.temperature, self.top_k, self.top_p, self.max_top_k).softmax(dim=-1)
+            candidates, support = logits.topk(self.support, dim=-1)  # values in descending order
+        warped = warp_logits(
+            candidates, self.temperature, self.top_k, self.top_p, self.max_top_k, sorted_descending=support is not None
+        )
+        probs = warped.softmax(dim=-1)
         draws = torch.multinomial(probs, 1, generator=generator)
         if support is not None:
             draws = support.gather(1, draws)

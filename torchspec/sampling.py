@@ -44,6 +44,7 @@ def warp_logits(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     max_top_k: int,
+    sorted_descending: bool = False,
 ) -> torch.Tensor:
     """Per-row temperature, top-k (0 = off) and top-p, exactly as transformers' warpers compute them.
 
@@ -59,14 +60,15 @@ def warp_logits(
     instead of a sort of the vocabulary (transformers' default top_k=50 against a 49K vocabulary). The ``topk``
     reads the logits as given, before the temperature: dividing by a positive temperature keeps the order, so
     the k-th largest scaled logit is the scaled k-th largest, and a bf16 ``topk`` takes half the radix passes
-    of an fp32 one.
+    of an fp32 one. ``sorted_descending``: the rows are in descending order already (the values of a vocabulary
+    top-k, as a draft warps over its support), so that ``topk`` is not needed.
     """
     vocab_size = logits.shape[-1]
     scaled = logits / temperature[:, None]
     if top_k is not None and max_top_k > 0:
         width = min(max_top_k, vocab_size)
         k = top_k.clamp(max=width)
-        largest = logits.topk(width, dim=-1).values  # descending
+        largest = logits if sorted_descending else logits.topk(width, dim=-1).values  # descending
         kth_largest = largest.gather(1, (k - 1).clamp(min=0)[:, None]) / temperature[:, None]
         kth_largest = torch.where(k[:, None] > 0, kth_largest, float("-inf"))  # top_k = 0: nothing filtered
         scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
