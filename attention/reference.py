@@ -177,15 +177,16 @@ def attention_mass(
     shape ``[N]``). Returns ``[num_kv_heads, requests, width]`` in ``MASS_DTYPE``: row ``b`` holds the mass of request
     ``b``'s list entries in list order, zeros past its list. ``width`` is ``max_kv_len`` (at least every list's
     length; None: the longest), so a reader takes a Top-K per request without regrouping a flat list.
-    ``max_scored`` is a launch hint for the kernels, unused here. ``out``: where to write it (zeroed first; the
-    engine gives each layer its row of one buffer, which the draft policy then reads in place); None: a new one.
+    ``max_scored`` is a launch hint for the kernels, unused here. ``out``: where to write it (zeroed first; its
+    width is the width; the engine gives each layer its slab of one buffer, which the draft policy then reads in
+    place); None: a new one.
     """
     num_kv_heads = k_cache.shape[1]
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
     q_bounds, kv_bounds, scored = cu_seqlens_q.tolist(), kv_indptr.tolist(), num_scored_queries.tolist()
     lengths = [end - start for start, end in itertools.pairwise(kv_bounds)]
-    width = max_kv_len if max_kv_len is not None else max(lengths, default=0)
+    width = out.shape[-1] if out is not None else max_kv_len if max_kv_len is not None else max(lengths, default=0)
     if max(lengths, default=0) > width:  # the Triton kernel would write past its row (it cannot check)
         raise ValueError(f"max_kv_len={width} is shorter than the longest list ({max(lengths)} entries)")
     mass = out if out is not None else query.new_empty(num_kv_heads, len(lengths), width, dtype=MASS_DTYPE)
