@@ -29,17 +29,18 @@ from torchspec.bench import throughput
 PHASES = ("inflight", "warmup", "gc", "empty", "enter", "body", "exit")  # "body": the captured run
 
 
-def timed_capture(run):
+def timed_capture(run, pool=None, warm_up=True):
     """``cuda_graphs.capture_graph`` with each phase timed (the same warm-up and capture)."""
     marks = [time.perf_counter()]
     torch.cuda.synchronize()
     marks.append(time.perf_counter())
     before = torch.cuda.memory_stats()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
+    if warm_up:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     marks.append(time.perf_counter())
     gc.collect()
@@ -47,7 +48,7 @@ def timed_capture(run):
     torch.cuda.empty_cache()
     marks.append(time.perf_counter())
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         marks.append(time.perf_counter())
         output = run()
         marks.append(time.perf_counter())

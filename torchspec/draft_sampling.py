@@ -87,6 +87,35 @@ class DraftSampling:
             all_greedy=bool(greedy.all()),
         )
 
+    def layout(self) -> tuple[bool, int | None, int, bool, bool, int]:
+        """What a captured selection fixes on the host: greedy alone or not, the top-k support and width,
+        whether top-k and top-p filter at all, and how many stop ids a row holds."""
+        has_top_k, has_top_p = self.top_k is not None, self.top_p is not None
+        return self.all_greedy, self.support, self.max_top_k, has_top_k, has_top_p, self.stop_tokens.shape[1]
+
+    def buffers(self, size: int) -> DraftSampling:
+        """Columns of the same layout for ``size`` rows, each row a copy of this one's first: fixed-address
+        buffers that rounds are copied into (``copy_into``); a row no request fills holds valid values."""
+        rows = lambda value: value[:1].expand(size, *value.shape[1:]).clone()  # noqa: E731
+        return DraftSampling(
+            **{
+                field.name: rows(value) if isinstance(value, torch.Tensor) else value
+                for field in fields(self)
+                for value in [getattr(self, field.name)]
+            }
+        )
+
+    def copy_into(self, fixed: DraftSampling, spare_row: int) -> None:
+        """Write these columns into the first rows of ``fixed`` (``buffers`` of the same layout); the rows past
+        them keep their draft distributions in store row ``spare_row`` from column 0, where any forward's fits."""
+        count = self.greedy.shape[0]
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor):
+                getattr(fixed, field.name)[:count] = value
+        fixed.store_rows[count:] = spare_row
+        fixed.store_columns[count:] = 0
+
     def prefix(self, count: int) -> DraftSampling:
         """The columns of the first ``count`` requests (views, no copy)."""
         if count == self.greedy.shape[0]:

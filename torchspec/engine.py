@@ -204,10 +204,8 @@ class Engine:
                         now = time.perf_counter()
                         since = started if launched is None else last_commit
                         if since is not None:
-                            span, forwards = in_flight.drafts_span, in_flight.draft_forwards
-                            scheduler.observe_step(
-                                in_flight.plan, 1e3 * (now - since), span.ms() if span else None, forwards
-                            )
+                            span = in_flight.drafts_span
+                            scheduler.observe_step(in_flight.plan, 1e3 * (now - since), span.ms() if span else None)
                         last_commit = now
                         yield committed
                     in_flight = launched

@@ -60,15 +60,11 @@ class StepCosts:
     round: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     draft: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     last_measured: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})  # drafting? -> step
-    # A shorter round ran all k draft forwards (a chain graph holds every forward a round can have): a round
-    # then costs the same at every length, and shortening it only loses tokens.
-    whole_rounds: bool = False
 
     def costs(self, k: int) -> np.ndarray:
         """``[k + 1]``: the cost of a step with rounds of each length 0..k (0: a plain step)."""
         lengths = np.arange(k + 1)
-        forwards = np.full(k + 1, k) if self.whole_rounds else lengths
-        return np.where(lengths == 0, _median(self.plain), _median(self.round) + forwards * _median(self.draft))
+        return np.where(lengths == 0, _median(self.plain), _median(self.round) + lengths * _median(self.draft))
 
 
 class RoundLength:
@@ -105,12 +101,9 @@ class RoundLength:
             drafting = not drafting  # the other mode's costs are stale: measure them again
         return best_round if drafting else 0
 
-    def observe(
-        self, batch: int, length: int, wall_ms: float, drafts_ms: float | None, draft_forwards: int | None = None
-    ) -> None:
-        """A decoding step of ``batch`` requests ran rounds of ``length`` drafts (0: plain) in ``wall_ms``, its
-        ``draft_forwards`` draft forwards (default: ``length``; more where a graph runs a whole round's) ending
-        ``drafts_ms`` after it started."""
+    def observe(self, batch: int, length: int, wall_ms: float, drafts_ms: float | None) -> None:
+        """A decoding step of ``batch`` requests ran rounds of ``length`` drafts (0: plain; one forward each) in
+        ``wall_ms``, its draft forwards ending ``drafts_ms`` after it started."""
         self._steps += 1
         if not self.adaptive:
             return
@@ -119,9 +112,7 @@ class RoundLength:
         if length == 0:
             costs.plain.append(wall_ms)
         elif drafts_ms is not None:
-            forwards = draft_forwards or length
-            costs.whole_rounds |= forwards > length
-            costs.draft.append(drafts_ms / forwards)
+            costs.draft.append(drafts_ms / length)
             costs.round.append(max(wall_ms - drafts_ms, 0.0))
 
 

@@ -68,8 +68,8 @@ class Runner:
             self.graphs = StepGraphs(
                 self.forward, pool, ops, self.sparse_heads, verify_tokens, scores, max_batch_size, device
             )
-        # The later forwards of draft chains as one graph per bucket: policies whose lists the runner builds,
-        # models without sliding windows, and (when capturing) the default generator, which graphs replay.
+        # The later forwards of draft chains as graphs per bucket, one per forward: policies whose lists the runner
+        # builds, models without sliding windows, and (when capturing) the default generator, which graphs replay.
         self.max_batch_size = max_batch_size
         self.chain_graphs = None
         if (
@@ -307,8 +307,7 @@ class Runner:
         picks = self._pick(plan, logits, first_row, sampling=sampling, shifts=shifts)
         self._advance(plan, picks)
         chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
-        later, later_forwards = self._later_drafts(drafts, draft_rows, chain[0], sampling, draft_shifts)
-        chain += later
+        chain += self._later_drafts(drafts, draft_rows, chain[0], sampling, draft_shifts)
         if drafts_span is not None:
             drafts_span.stop()
         parts = [*picks.parts(), *chain[1:]]
@@ -321,7 +320,6 @@ class Runner:
             verify=None if verify is None else _Pass(verify[0], verify[1].emitting_rows),
             part_sizes=[part.shape[0] for part in parts],
             num_chain_forwards=len(chain) - 1,
-            draft_forwards=1 + later_forwards if drafts else 0,
             readback=_Readback(torch.cat(parts)),
             entropies=None if picks.entropies is None else _Readback(picks.entropies),
             drafts_span=drafts_span,
@@ -422,16 +420,15 @@ class Runner:
         first: torch.Tensor,
         sampling: DraftSampling | None,
         shifts: torch.Tensor | None,
-    ) -> tuple[list[torch.Tensor], int]:
+    ) -> list[torch.Tensor]:
         """The tokens of the later forwards of the step's draft chains (forward j holds the drafts whose chain
         is longer than j: a prefix, as drafts are sorted longest chain first), each forward fed the previous
         one's tokens on the device. Their slots and draft lists are built together (one slot-table lookup and
-        one list build for all forwards); then one chain-graph replay runs them all where it can, else one
-        forward per draft. Also returns how many forwards ran: a chain graph runs all k - 1, however short the
-        chains."""
+        one list build for all forwards); then the chain graphs replay them where they can, else one forward
+        per draft runs with its own selection."""
         longest = max((item.chain for item in drafts), default=1)
         if longest == 1:
-            return [], 0
+            return []
         # Forward j (1 .. longest - 1) holds the drafts whose chain is longer than j: a prefix of them. Its
         # entries, forward after forward: each such draft at its first position + j.
         chains = np.fromiter((item.chain for item in drafts), np.int64, len(drafts))
@@ -452,10 +449,10 @@ class Runner:
             entry_shifts = None if shifts is None else shifts[self._tensor(owner)]
             lists, offsets = self._policy_lists(requests, rows, positions, entry_shifts)
         # Sampled once per forward from the round's columns: the chain graph's ops, or the same ops per forward.
-        if self._chain_graph_runs(drafts, draft_rows):
+        if self._chain_graph_runs(draft_rows):
             inputs = self._chain_inputs(counts, first, layout, lists, offsets, sampling)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
-            return [tokens[j, :count] for j, count in enumerate(counts)], self.num_draft_slots - 1
+            return [tokens[j, :count] for j, count in enumerate(counts)]
         max_list_len = self._max_list_len(drafts)
         chain = [first]
         metadata = self._chain_metadata(drafts, counts, layout, lists, offsets)
@@ -464,16 +461,12 @@ class Runner:
                 forward_metadata, chain[-1][None, :count], position_ids, list(range(count)), max_list_len=max_list_len
             )
             chain.append(sampling.prefix(count).select(logits, forward, self.draft_probs.probs, self.generator))
-        return chain[1:], len(chain) - 1
+        return chain[1:]
 
-    def _chain_graph_runs(self, drafts: Sequence[ScheduledRequest], rows: Sequence[int]) -> bool:
-        """Whether this step's chains replay from the chain graph: sampling by temperature alone, and every
-        request in a slot-table row (``rows``) the fixed draft-probs store holds."""
-        if self.chain_graphs is None:
-            return False
-        params = [item.request.params for item in drafts]
-        plain_sampling = all(p.greedy or (p.top_k == 0 and p.top_p == 1.0) for p in params)
-        return plain_sampling and max(rows) < self.max_batch_size
+    def _chain_graph_runs(self, rows: Sequence[int]) -> bool:
+        """Whether this step's chains replay from the chain graphs: every draft request in a slot-table row
+        (``rows``) the fixed draft-probs store holds."""
+        return self.chain_graphs is not None and max(rows) < self.max_batch_size
 
     def _chain_inputs(
         self,
@@ -486,12 +479,11 @@ class Runner:
     ) -> ChainInputs:
         """The round's chain inputs (see ``ChainInputs``) for its draft requests, sent in one copy; the positions
         and slots are the chain ``layout`` (``[2, forwards' requests]``, already on the device) spread into one
-        row per forward."""
-        count, later = first.shape[0], self.num_draft_slots - 1
+        row per later forward."""
+        count, later = first.shape[0], len(counts)
         targets, indptr = [], []  # each layout entry's place in the [later, count] grid; per-forward offsets
         start = 0
-        for j in range(later):
-            active = counts[j] if j < len(counts) else 0
+        for j, active in enumerate(counts):
             targets += range(j * count, j * count + active)
             end = start + active
             indptr += offsets[start:end] + [offsets[end]] * (count + 1 - active)
@@ -877,7 +869,6 @@ class LaunchedStep:
     verify: _Pass | None  # the verify forward of the rounds drafted in this step, in draft order
     part_sizes: list[int]  # lengths of the read-back's parts (see ``Runner.collect``)
     num_chain_forwards: int  # later forwards of the step's draft chains
-    draft_forwards: int  # draft forwards the device ran (a chain graph runs every forward a round can have)
     readback: _Readback
     entropies: _Readback | None  # draft rows' entropies, for policies that steer by them
     drafts_span: _Span | None  # from the step's start to the end of its draft forwards (None: no drafts)

@@ -75,34 +75,36 @@ def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
         assert runner.chain_graphs._steps, "no draft chain ran through the chain graph"
 
 
-def test_a_chain_graph_step_reports_every_draft_forward_it_ran(monkeypatch):
-    """A chain graph runs all k - 1 later forwards whatever the round's length, so its step reports k draft
-    forwards, and adaptive rounds price a short round as the full one it costs (round_length.py); a step of
-    per-forward drafts reports its round's length."""
+@pytest.mark.parametrize("sampling", [{"do_sample": False}, {"do_sample": True, "top_k": 5, "top_p": 0.9}])
+def test_a_chain_graph_runs_the_forwards_its_round_has(monkeypatch, sampling):
+    """The chain graphs run forward j of a round only when its longest chain has one: a short round runs
+    fewer forwards, not all k - 1 (a graph holding every forward cost short rounds a full one's time). Greedy
+    and top-k/top-p sampled rounds both run through them (each sampling layout has its own graphs)."""
     spec, batch = tiny_spec("llama", 2), Batch((9, 30, 17), seed=3)
     wrapped = sparsespec.wrap(spec.build(), draft="pillar_recent", cuda_graphs=True, **OPTIONS)
     runner = wrapped.engine.runner
-    replays, steps = [], []
-    tokens, launch = runner.chain_graphs.tokens, runner.launch
+    forwards, steps = [], []
+    run, launch = runner.chain_graphs._run, runner.launch
 
-    def count_replays(*args, **kwargs):
-        replays.append(True)
-        return tokens(*args, **kwargs)
+    def count_forwards(step, forward):
+        forwards.append(forward)
+        return run(step, forward)
 
     def record(plan):
-        before = len(replays)
-        step = launch(plan)
-        steps.append((plan.round_length, step.draft_forwards, len(replays) > before))
-        return step
+        before = len(forwards)
+        launched = launch(plan)
+        steps.append((plan.round_length, forwards[before:]))
+        return launched
 
-    monkeypatch.setattr(runner.chain_graphs, "tokens", count_replays)
+    monkeypatch.setattr(runner.chain_graphs, "_run", count_forwards)
     monkeypatch.setattr(runner, "launch", record)
-    wrapped.generate(**batch.kwargs(), max_new_tokens=23, do_sample=False)
-    k = OPTIONS["k"]
-    graphed = [(length, forwards) for length, forwards, replayed in steps if replayed]
-    assert graphed and all(forwards == k for _, forwards in graphed), steps
-    assert any(length < k for length, _ in graphed), f"no short round ran through the chain graph: {steps}"
-    assert all(forwards == length for length, forwards, replayed in steps if not replayed), steps
+    torch.manual_seed(0)
+    wrapped.generate(**batch.kwargs(), max_new_tokens=23, **sampling)
+    rounds = [(length, ran) for length, ran in steps if length > 1]
+    assert rounds and all(ran == list(range(1, length)) for length, ran in rounds), steps
+    assert any(length < OPTIONS["k"] for length, _ in rounds), f"no short round ran: {steps}"
+    layouts = {layout for _, layout in runner.chain_graphs._steps}
+    assert len(layouts) == 1 and next(iter(layouts))[0] is (not sampling["do_sample"]), layouts
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -120,8 +122,8 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft):
     assert torch.equal(expected, actual)
     runner = wrapped.engine.runner
     assert runner.graphs.num_captured > 0
-    if draft is not None:  # the chains' later forwards replayed from their own graph
-        assert any(step.graph is not None for step in runner.chain_graphs._steps.values())
+    if draft is not None:  # the chains' later forwards replayed from their own graphs
+        assert any(graph is not None for step in runner.chain_graphs._steps.values() for graph in step.graphs)
 
 
 @pytest.mark.gpu

@@ -85,16 +85,3 @@ def test_one_slow_step_does_not_move_the_costs():
     for _ in range(RECENT_STEPS):
         rounds.observe(256, 8, 355.0, 300.0)
     assert rounds.choose(good) == 0
-
-
-def test_rounds_that_run_every_draft_forward_keep_their_full_length():
-    """A chain graph runs all k draft forwards whatever the round's length, so a short round costs a full one.
-    Its drafts' time divided by its length made drafts look three times dearer (a chain-graph branch ran W1's
-    full batch in plain steps: 4,480 of 5,005 on the H200); divided by the forwards that ran, rounds stay full."""
-    rounds = RoundLength(8, adaptive=True)
-    good = [_stats([8, 7, 8], [8, 8, 8])] * 256
-    rounds.observe(256, 0, 13.0, None)
-    for _ in range(RECENT_STEPS):
-        rounds.observe(256, 3, 57.0, 40.0, draft_forwards=8)
-    assert rounds.choose(good) == 8
-    assert rounds.choose([_stats([0, 1, 0], [8, 8, 8])] * 256) == 0  # poor acceptance still goes plain
