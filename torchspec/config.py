@@ -75,8 +75,8 @@ class SpecConfig:
             (256 x 1,024 tokens, docs/performance.md): opt-in until that is understood.
         cuda_graphs: replay the forward of decoding steps (drafts, verifies, plain decodes, any mix) from CUDA
             graphs captured per padded (drafts, verifies) bucket, and the later forwards of a round's draft
-            chains with their sampling as one graph per bucket (torchspec/chain_graphs.py: temperature-only
-            sampling, no sliding windows); on a CPU the same padded static path runs
+            chains with their sampling as one graph per forward, bucket and sampling layout
+            (torchspec/chain_graphs.py: no sliding windows); on a CPU the same padded static path runs
             without capture (same tokens). ``None`` = on with CUDA (measured on the H200: 2.4x for plain
             decoding, 1.7x with speculation, docs/performance.md), off elsewhere and with the reference
             attention backend (it reads the lists on the host, which a capture cannot hold).
