@@ -9,10 +9,11 @@ host writes the round's inputs into the bucket's buffers once (positions, slots 
 one flat buffer, each forward's offsets into it; the sampling columns) and replays the graphs of the forwards
 the round has, back to back: a round of 6 drafts runs 5 later forwards, not k - 1.
 
-A bucket is (``D'``, the sampling layout): which filters run and their widths are host choices a graph
-fixes (``DraftSampling.layout``), so a batch mixing top-k requests with plain-temperature ones has its own
-graphs. The graphs of every bucket share one memory pool: they run one after another on one stream and keep
-nothing in it between replays (tokens and draft distributions go to buffers outside it).
+A bucket of ``D'`` requests holds the round's buffers (the lists take ~1 GB at 256 requests and 8K contexts);
+each sampling layout in it has its own columns and graphs: which filters run and their widths are host
+choices a graph fixes (``DraftSampling.layout``). The graphs of every bucket share one memory pool: they run
+one after another on one stream and keep nothing in it between replays (tokens and draft distributions go to
+buffers outside it).
 
 Layout: forward ``j`` (1 .. k-1) feeds ``tokens[j - 1]`` at ``positions[j - 1]`` and writes ``tokens[j]``.
 A request whose chain ends before forward ``j`` (and every padding request) reads an empty list, writes its
@@ -52,17 +53,28 @@ class ChainInputs:
 
 
 @dataclass
+class _Sampler:
+    """A sampling layout's fixed-address columns in a bucket, and the graphs of its forwards."""
+
+    sampling: DraftSampling  # D' rows of the layout (``DraftSampling.buffers``)
+    graphs: list[torch.cuda.CUDAGraph | None]  # forward j + 1's graph, captured on first use
+
+
+@dataclass
 class _ChainStep:
-    """One bucket's fixed-address buffers, per-forward metadata and (once captured) per-forward graphs."""
+    """One bucket's fixed-address buffers and per-forward metadata (shared by its sampling layouts), and its
+    layouts' columns and graphs."""
 
     size: int  # D'
-    inputs: ChainInputs  # buffers of D' requests and k - 1 forwards, the round's inputs copied in
+    positions: torch.Tensor  # [k - 1, D']: ``ChainInputs``' rows copied in (padding: as there)
+    slots: torch.Tensor  # [k - 1, D']
+    indptr: torch.Tensor  # [k - 1, D' + 1]
+    lists: torch.Tensor  # [sparse layers, Hkv, capacity]
     tokens: torch.Tensor  # [k, D']
     rows: torch.Tensor  # [D']: every row's logits are kept
     metadata: list[AttentionMetadata]  # forward j + 1 reads metadata[j]
-    list_capacity: int
     store: torch.Tensor  # the draft-probs store the graphs write (a new store means new captures)
-    graphs: list[torch.cuda.CUDAGraph | None]  # forward j + 1's graph, captured on first use
+    samplers: dict[tuple, _Sampler]  # by ``DraftSampling.layout()``
 
 
 class ChainGraphs:
@@ -82,55 +94,49 @@ class ChainGraphs:
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # every chain graph's pool
         self.k = k
         self.generator = generator
-        self._steps: dict[tuple, _ChainStep] = {}
+        self._steps: dict[int, _ChainStep] = {}
 
     def tokens(self, inputs: ChainInputs, store: torch.Tensor, spare_row: int) -> torch.Tensor:
         """``[L, D]``: the tokens drafted by forwards 2..L + 1 (row j - 1: forward j + 1), from one replay per
         forward. Writes each forward's K/V, and each draft's distribution into the request's row of ``store``."""
         count = inputs.first_tokens.shape[0]
         size = next(size for size in self.buckets if size >= count)
-        key = (size, inputs.sampling.layout())
-        step = self._steps.get(key)
+        step = self._steps.get(size)
         entries = inputs.lists.shape[-1]
-        if step is None or entries > step.list_capacity or step.store is not store:
-            capacity = max(2 * entries, 2 * step.list_capacity if step else 0)
-            step = self._steps[key] = self._chain_step(size, inputs.sampling, capacity, inputs.max_list_len, store)
-        self._fill(step, inputs, count, spare_row)
+        if step is None or entries > step.lists.shape[-1] or step.store is not store:
+            capacity = max(2 * entries, 2 * step.lists.shape[-1] if step else 0)
+            step = self._steps[size] = self._chain_step(size, capacity, inputs.max_list_len, store)
+        layout = inputs.sampling.layout()
+        sampler = step.samplers.get(layout)
+        if sampler is None:
+            sampler = step.samplers[layout] = _Sampler(inputs.sampling.buffers(size), [None] * (self.k - 1))
+        self._fill(step, sampler, inputs, count, spare_row)
         for forward in range(1, inputs.forwards + 1):
             if not self.capture:
-                self._run(step, forward)
+                self._run(step, sampler, forward)
             else:
-                if step.graphs[forward - 1] is None:
-                    self._capture(step, forward)
-                step.graphs[forward - 1].replay()
+                if sampler.graphs[forward - 1] is None:
+                    self._capture(step, sampler, forward)
+                sampler.graphs[forward - 1].replay()
         return step.tokens[1 : inputs.forwards + 1, :count]
 
-    def _chain_step(
-        self, size: int, sampling: DraftSampling, capacity: int, hint: int, store: torch.Tensor
-    ) -> _ChainStep:
+    def _chain_step(self, size: int, capacity: int, hint: int, store: torch.Tensor) -> _ChainStep:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
         later = self.k - 1
         heads = max(self.sparse_layers.values())
-        inputs = ChainInputs(
-            first_tokens=zeros(size),
-            positions=zeros(later, size),
-            slots=zeros(later, size),
-            indptr=zeros(later, size + 1),
-            lists=zeros(len(self.sparse_layers), heads, capacity),
-            max_list_len=hint,
-            sampling=sampling.buffers(size),
-        )
+        slots, indptr = zeros(later, size), zeros(later, size + 1)
+        lists = zeros(len(self.sparse_layers), heads, capacity)
         cu_seqlens_q = torch.arange(size + 1, device=self.device)
         no_verifies = KVView(cu_seqlens_q[:1], cu_seqlens_q[:0], 0)
         metadata = [
             AttentionMetadata(
-                slot_mapping=inputs.slots[j],
+                slot_mapping=slots[j],
                 cu_seqlens_q=cu_seqlens_q,
                 windowed={},
                 full=no_verifies,
                 num_drafts=size,
                 draft={
-                    layer: KVView(inputs.indptr[j], inputs.lists[i, :layer_heads], hint)
+                    layer: KVView(indptr[j], lists[i, :layer_heads], hint)
                     for i, (layer, layer_heads) in enumerate(self.sparse_layers.items())
                 },
                 max_q_len=1,
@@ -139,44 +145,46 @@ class ChainGraphs:
         ]
         return _ChainStep(
             size=size,
-            inputs=inputs,
+            positions=zeros(later, size),
+            slots=slots,
+            indptr=indptr,
+            lists=lists,
             tokens=zeros(self.k, size),
             rows=torch.arange(size, device=self.device),
             metadata=metadata,
-            list_capacity=capacity,
             store=store,
-            graphs=[None] * later,
+            samplers={},
         )
 
-    def _fill(self, step: _ChainStep, inputs: ChainInputs, count: int, spare_row: int) -> None:
-        """Copy the round into the bucket's buffers (its forwards' rows); padding requests get empty lists, the
-        scratch slot and the spare store row."""
-        static, forwards = step.inputs, inputs.forwards
+    def _fill(self, step: _ChainStep, sampler: _Sampler, inputs: ChainInputs, count: int, spare_row: int) -> None:
+        """Copy the round into the bucket's buffers (its forwards' rows) and its layout's columns; padding
+        requests get empty lists, the scratch slot and the spare store row."""
+        forwards = inputs.forwards
         step.tokens[0, :count] = inputs.first_tokens
-        static.positions[:forwards, :count] = inputs.positions
-        static.slots[:forwards].fill_(self.pool.scratch_slot)
-        static.slots[:forwards, :count] = inputs.slots
-        static.indptr[:forwards, : count + 1] = inputs.indptr
-        static.indptr[:forwards, count + 1 :] = inputs.indptr[:, -1:]
-        static.lists[..., : inputs.lists.shape[-1]] = inputs.lists
-        inputs.sampling.copy_into(static.sampling, spare_row)
+        step.positions[:forwards, :count] = inputs.positions
+        step.slots[:forwards].fill_(self.pool.scratch_slot)
+        step.slots[:forwards, :count] = inputs.slots
+        step.indptr[:forwards, : count + 1] = inputs.indptr
+        step.indptr[:forwards, count + 1 :] = inputs.indptr[:, -1:]
+        step.lists[..., : inputs.lists.shape[-1]] = inputs.lists
+        inputs.sampling.copy_into(sampler.sampling, spare_row)
 
-    def _run(self, step: _ChainStep, forward: int) -> None:
+    def _run(self, step: _ChainStep, sampler: _Sampler, forward: int) -> None:
         """Forward ``forward`` (1 .. k - 1) and its sampling, on the bucket's buffers (what its graph holds)."""
-        static, tokens = step.inputs, step.tokens
+        tokens = step.tokens
         metadata = step.metadata[forward - 1]
         with forward_context(PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)):
             output = self.forward(
                 input_ids=tokens[forward - 1][None],
-                position_ids=static.positions[forward - 1][None],
+                position_ids=step.positions[forward - 1][None],
                 use_cache=False,
                 logits_to_keep=step.rows,
             )
-        tokens[forward] = static.sampling.select(output.logits[0], forward, step.store, self.generator)
+        tokens[forward] = sampler.sampling.select(output.logits[0], forward, step.store, self.generator)
 
-    def _capture(self, step: _ChainStep, forward: int) -> None:
-        """The bucket's first capture warms its kernels up; its other forwards run the same kernels at the same
-        shapes (only the forward's rows differ), so they are captured without a warm-up."""
-        warm = any(graph is not None for graph in step.graphs)
-        run = lambda: self._run(step, forward)  # noqa: E731
-        step.graphs[forward - 1], _ = self.captures.capture(run, self.memory, warm_up=not warm)
+    def _capture(self, step: _ChainStep, sampler: _Sampler, forward: int) -> None:
+        """A layout's first capture in a bucket warms its kernels up; its other forwards run the same kernels at
+        the same shapes (only the forward's rows differ), so they are captured without a warm-up."""
+        warm = any(graph is not None for graph in sampler.graphs)
+        run = lambda: self._run(step, sampler, forward)  # noqa: E731
+        sampler.graphs[forward - 1], _ = self.captures.capture(run, self.memory, warm_up=not warm)

@@ -86,9 +86,9 @@ def test_a_chain_graph_runs_the_forwards_its_round_has(monkeypatch, sampling):
     forwards, steps = [], []
     run, launch = runner.chain_graphs._run, runner.launch
 
-    def count_forwards(step, forward):
+    def count_forwards(step, sampler, forward):
         forwards.append(forward)
-        return run(step, forward)
+        return run(step, sampler, forward)
 
     def record(plan):
         before = len(forwards)
@@ -103,7 +103,7 @@ def test_a_chain_graph_runs_the_forwards_its_round_has(monkeypatch, sampling):
     rounds = [(length, ran) for length, ran in steps if length > 1]
     assert rounds and all(ran == list(range(1, length)) for length, ran in rounds), steps
     assert any(length < OPTIONS["k"] for length, _ in rounds), f"no short round ran: {steps}"
-    layouts = {layout for _, layout in runner.chain_graphs._steps}
+    layouts = {layout for step in runner.chain_graphs._steps.values() for layout in step.samplers}
     assert len(layouts) == 1 and next(iter(layouts))[0] is (not sampling["do_sample"]), layouts
 
 
@@ -123,7 +123,8 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft):
     runner = wrapped.engine.runner
     assert runner.graphs.num_captured > 0
     if draft is not None:  # the chains' later forwards replayed from their own graphs
-        assert any(graph is not None for step in runner.chain_graphs._steps.values() for graph in step.graphs)
+        samplers = [sampler for step in runner.chain_graphs._steps.values() for sampler in step.samplers.values()]
+        assert any(graph is not None for sampler in samplers for graph in sampler.graphs)
 
 
 @pytest.mark.gpu
