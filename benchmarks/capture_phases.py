@@ -29,18 +29,17 @@ from torchspec.bench import throughput
 PHASES = ("inflight", "warmup", "gc", "empty", "enter", "body", "exit")  # "body": the captured run
 
 
-def timed_capture(run, pool=None, warm_up=True):
+def timed_capture(run, pool=None):
     """``cuda_graphs.capture_graph`` with each phase timed (the same warm-up and capture)."""
     marks = [time.perf_counter()]
     torch.cuda.synchronize()
     marks.append(time.perf_counter())
     before = torch.cuda.memory_stats()
-    if warm_up:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     marks.append(time.perf_counter())
     gc.collect()

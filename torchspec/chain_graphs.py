@@ -183,8 +183,5 @@ class ChainGraphs:
         tokens[forward] = sampler.sampling.select(output.logits[0], forward, step.store, self.generator)
 
     def _capture(self, step: _ChainStep, sampler: _Sampler, forward: int) -> None:
-        """A layout's first capture in a bucket warms its kernels up; its other forwards run the same kernels at
-        the same shapes (only the forward's rows differ), so they are captured without a warm-up."""
-        warm = any(graph is not None for graph in sampler.graphs)
         run = lambda: self._run(step, sampler, forward)  # noqa: E731
-        sampler.graphs[forward - 1], _ = self.captures.capture(run, self.memory, warm_up=not warm)
+        sampler.graphs[forward - 1], _ = self.captures.capture(run, self.memory)

@@ -279,34 +279,28 @@ class CaptureLog:
     count: int = 0
     seconds: float = 0.0
 
-    def capture(
-        self, run: Callable[[], T], pool: tuple | None = None, warm_up: bool = True
-    ) -> tuple[torch.cuda.CUDAGraph, T]:
-        """``capture_graph(run, pool, warm_up)``, counted."""
+    def capture(self, run: Callable[[], T], pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+        """``capture_graph(run, pool)``, counted."""
         start = time.perf_counter()
-        captured = capture_graph(run, pool, warm_up)
+        captured = capture_graph(run, pool)
         self.count += 1
         self.seconds += time.perf_counter() - start
         return captured
 
 
-def capture_graph(
-    run: Callable[[], T], pool: tuple | None = None, warm_up: bool = True
-) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture_graph(run: Callable[[], T], pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Capture ``run`` (fixed-address inputs and outputs) as a CUDA graph, after one warm-up run on a side
     stream (kernels compile, lazy library state is set up outside the capture); returns the graph and the
     captured run's output. The warm-up does what a replay does (same writes), so it is harmless. One warm-up,
-    not the customary few, and none (``warm_up=False``) where a run of the same kernels at the same shapes came
-    before: a warm-up is an eager forward, about half a capture's ~75 ms, and a draining batch captures at every
-    bucket (W1 on the H200 spent 12.5 of 68 s in 168 captures). Each graph gets a private memory pool (a
-    re-captured bucket frees its old graph safely) unless ``pool`` names one it shares with graphs that never
-    run at the same time and keep no output in it."""
-    if warm_up:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
+    not the customary few: a draining batch captures at every bucket (W1 on the H200 spent ~12.5 of 68-75 s in
+    ~170 captures; skipping the warm-up of a bucket's later draft forwards did not shorten that). Each graph
+    gets a private memory pool (a re-captured bucket frees its old graph safely) unless ``pool`` names one it
+    shares with graphs that never run at the same time and keep no output in it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         output = run()
