@@ -11,7 +11,8 @@ a chain graph captures.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -96,23 +97,14 @@ class DraftSampling:
     def buffers(self, size: int) -> DraftSampling:
         """Columns of the same layout for ``size`` rows, each row a copy of this one's first: fixed-address
         buffers that rounds are copied into (``copy_into``); a row no request fills holds valid values."""
-        rows = lambda value: value[:1].expand(size, *value.shape[1:]).clone()  # noqa: E731
-        return DraftSampling(
-            **{
-                field.name: rows(value) if isinstance(value, torch.Tensor) else value
-                for field in fields(self)
-                for value in [getattr(self, field.name)]
-            }
-        )
+        return self._each_column(lambda column: column[:1].expand(size, *column.shape[1:]).clone())
 
     def copy_into(self, fixed: DraftSampling, spare_row: int) -> None:
         """Write these columns into the first rows of ``fixed`` (``buffers`` of the same layout); the rows past
         them keep their draft distributions in store row ``spare_row`` from column 0, where any forward's fits."""
         count = self.greedy.shape[0]
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, torch.Tensor):
-                getattr(fixed, field.name)[:count] = value
+        for name, column in self._columns().items():
+            getattr(fixed, name)[:count] = column
         fixed.store_rows[count:] = spare_row
         fixed.store_columns[count:] = 0
 
@@ -120,13 +112,16 @@ class DraftSampling:
         """The columns of the first ``count`` requests (views, no copy)."""
         if count == self.greedy.shape[0]:
             return self
-        return DraftSampling(
-            **{
-                field.name: value[:count] if isinstance(value, torch.Tensor) else value
-                for field in fields(self)
-                for value in [getattr(self, field.name)]
-            }
-        )
+        return self._each_column(lambda column: column[:count])
+
+    def _columns(self) -> dict[str, torch.Tensor]:
+        """The per-request tensors by field name (the host values and absent filters left out)."""
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        return {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}
+
+    def _each_column(self, change: Callable[[torch.Tensor], torch.Tensor]) -> DraftSampling:
+        """These columns with ``change`` applied to every per-request tensor, the host values kept."""
+        return dataclasses.replace(self, **{name: change(column) for name, column in self._columns().items()})
 
     def select(
         self, logits: torch.Tensor, forward: int, store: torch.Tensor, generator: torch.Generator | None
