@@ -6,8 +6,11 @@ work they launch. Here forward j (2..k) of every chain in a bucket of ``D'`` req
 own graph, together with what happens after it on the device (stop tokens forbidden below
 ``min_new_tokens``, temperature, top-k, top-p, the draw, the draft distribution kept for the verify). The
 host writes the round's inputs into the bucket's buffers once (positions, slots and per-forward draft lists:
-one flat buffer, each forward's offsets into it; the sampling columns) and replays the graphs of the forwards
-the round has, back to back: a round of 6 drafts runs 5 later forwards, not k - 1.
+one flat buffer, each forward's offsets into it; the sampling columns) and replays the graph once per forward
+the round has, back to back: a round of 6 drafts runs 5 later forwards, not k - 1. One graph serves every
+forward: it reads which one it runs from a device counter (its rows of the round's buffers, its sampling
+column) and advances it, so a bucket captures once where a graph per forward captured k - 1 times (W1 on the
+H200: ~170 captures of ~75 ms each, most of them chain forwards).
 
 A bucket of ``D'`` requests holds the round's buffers (the lists take ~1 GB at 256 requests and 8K contexts);
 each sampling layout in it has its own columns and graphs: which filters run and their widths are host
@@ -15,7 +18,8 @@ choices a graph fixes (``DraftSampling.layout``). The graphs of every bucket sha
 one after another on one stream and keep nothing in it between replays (tokens and draft distributions go to
 buffers outside it).
 
-Layout: forward ``j`` (1 .. k-1) feeds ``tokens[j - 1]`` at ``positions[j - 1]`` and writes ``tokens[j]``.
+Layout: forward ``j`` (1 .. k-1) feeds ``tokens[j - 1]`` at ``positions[j - 1]`` and writes ``tokens[j]``;
+``j`` is the device counter ``forward``, set to 1 before a round's first replay.
 A request whose chain ends before forward ``j`` (and every padding request) reads an empty list, writes its
 K/V to the scratch slot and its draft distribution to a spare row of the store; its tokens are never read.
 
@@ -54,25 +58,26 @@ class ChainInputs:
 
 @dataclass
 class _Sampler:
-    """A sampling layout's fixed-address columns in a bucket, and the graphs of its forwards."""
+    """A sampling layout's fixed-address columns in a bucket, and the graph of its forwards."""
 
     sampling: DraftSampling  # D' rows of the layout (``DraftSampling.buffers``)
-    graphs: list[torch.cuda.CUDAGraph | None]  # forward j + 1's graph, captured on first use
+    graph: torch.cuda.CUDAGraph | None = None  # every later forward's, captured on first use
 
 
 @dataclass
 class _ChainStep:
-    """One bucket's fixed-address buffers and per-forward metadata (shared by its sampling layouts), and its
-    layouts' columns and graphs."""
+    """One bucket's fixed-address buffers (shared by its sampling layouts), and its layouts' columns and
+    graphs."""
 
     size: int  # D'
+    forward: torch.Tensor  # [1]: the forward the next replay runs (1 .. k - 1); each replay advances it
     positions: torch.Tensor  # [k - 1, D']: ``ChainInputs``' rows copied in (padding: as there)
     slots: torch.Tensor  # [k - 1, D']
     indptr: torch.Tensor  # [k - 1, D' + 1]
     lists: torch.Tensor  # [sparse layers, Hkv, capacity]
+    list_hint: int  # longest list the bucket was made for (a launch hint)
     tokens: torch.Tensor  # [k, D']
-    rows: torch.Tensor  # [D']: every row's logits are kept
-    metadata: list[AttentionMetadata]  # forward j + 1 reads metadata[j]
+    cu_seqlens_q: torch.Tensor  # [D' + 1]: one query per request (also the kept logits rows)
     store: torch.Tensor  # the draft-probs store the graphs write (a new store means new captures)
     samplers: dict[tuple, _Sampler]  # by ``DraftSampling.layout()``
 
@@ -109,49 +114,32 @@ class ChainGraphs:
         layout = inputs.sampling.layout()
         sampler = step.samplers.get(layout)
         if sampler is None:
-            sampler = step.samplers[layout] = _Sampler(inputs.sampling.buffers(size), [None] * (self.k - 1))
+            sampler = step.samplers[layout] = _Sampler(inputs.sampling.buffers(size))
         self._fill(step, sampler, inputs, count, spare_row)
-        for forward in range(1, inputs.forwards + 1):
+        for _ in range(inputs.forwards):
             if not self.capture:
-                self._run(step, sampler, forward)
+                self._run(step, sampler)
             else:
-                if sampler.graphs[forward - 1] is None:
-                    self._capture(step, sampler, forward)
-                sampler.graphs[forward - 1].replay()
+                if sampler.graph is None:
+                    self._capture(step, sampler)  # its warm-up and capture each run a forward: start over
+                    step.forward.fill_(1)
+                sampler.graph.replay()
         return step.tokens[1 : inputs.forwards + 1, :count]
 
     def _chain_step(self, size: int, capacity: int, hint: int, store: torch.Tensor) -> _ChainStep:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
         later = self.k - 1
         heads = max(self.sparse_layers.values())
-        slots, indptr = zeros(later, size), zeros(later, size + 1)
-        lists = zeros(len(self.sparse_layers), heads, capacity)
-        cu_seqlens_q = torch.arange(size + 1, device=self.device)
-        no_verifies = KVView(cu_seqlens_q[:1], cu_seqlens_q[:0], 0)
-        metadata = [
-            AttentionMetadata(
-                slot_mapping=slots[j],
-                cu_seqlens_q=cu_seqlens_q,
-                windowed={},
-                full=no_verifies,
-                num_drafts=size,
-                draft={
-                    layer: KVView(indptr[j], lists[i, :layer_heads], hint)
-                    for i, (layer, layer_heads) in enumerate(self.sparse_layers.items())
-                },
-                max_q_len=1,
-            )
-            for j in range(later)
-        ]
         return _ChainStep(
             size=size,
+            forward=torch.ones(1, dtype=torch.int64, device=self.device),
             positions=zeros(later, size),
-            slots=slots,
-            indptr=indptr,
-            lists=lists,
+            slots=zeros(later, size),
+            indptr=zeros(later, size + 1),
+            lists=zeros(len(self.sparse_layers), heads, capacity),
+            list_hint=hint,
             tokens=zeros(self.k, size),
-            rows=torch.arange(size, device=self.device),
-            metadata=metadata,
+            cu_seqlens_q=torch.arange(size + 1, device=self.device),
             store=store,
             samplers={},
         )
@@ -160,6 +148,7 @@ class ChainGraphs:
         """Copy the round into the bucket's buffers (its forwards' rows) and its layout's columns; padding
         requests get empty lists, the scratch slot and the spare store row."""
         forwards = inputs.forwards
+        step.forward.fill_(1)
         step.tokens[0, :count] = inputs.first_tokens
         step.positions[:forwards, :count] = inputs.positions
         step.slots[:forwards].fill_(self.pool.scratch_slot)
@@ -169,19 +158,34 @@ class ChainGraphs:
         step.lists[..., : inputs.lists.shape[-1]] = inputs.lists
         inputs.sampling.copy_into(sampler.sampling, spare_row)
 
-    def _run(self, step: _ChainStep, sampler: _Sampler, forward: int) -> None:
-        """Forward ``forward`` (1 .. k - 1) and its sampling, on the bucket's buffers (what its graph holds)."""
-        tokens = step.tokens
-        metadata = step.metadata[forward - 1]
+    def _run(self, step: _ChainStep, sampler: _Sampler) -> None:
+        """Forward ``step.forward`` (1 .. k - 1) and its sampling, on the bucket's buffers (what its graph
+        holds): its rows of the round's buffers are picked on the device, and the counter advanced."""
+        forward, tokens = step.forward, step.tokens
+        reads = forward - 1  # the row of the round's buffers this forward reads
+        indptr = step.indptr.index_select(0, reads)[0]
+        metadata = AttentionMetadata(
+            slot_mapping=step.slots.index_select(0, reads)[0],
+            cu_seqlens_q=step.cu_seqlens_q,
+            windowed={},
+            full=KVView(step.cu_seqlens_q[:1], step.cu_seqlens_q[:0], 0),  # no verifies
+            num_drafts=step.size,
+            draft={
+                layer: KVView(indptr, step.lists[i, :heads], step.list_hint)
+                for i, (layer, heads) in enumerate(self.sparse_layers.items())
+            },
+            max_q_len=1,
+        )
         with forward_context(PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)):
             output = self.forward(
-                input_ids=tokens[forward - 1][None],
-                position_ids=step.positions[forward - 1][None],
+                input_ids=tokens.index_select(0, reads),
+                position_ids=step.positions.index_select(0, reads),
                 use_cache=False,
-                logits_to_keep=step.rows,
+                logits_to_keep=step.cu_seqlens_q[:-1],
             )
-        tokens[forward] = sampler.sampling.select(output.logits[0], forward, step.store, self.generator)
+        drawn = sampler.sampling.select(output.logits[0], forward, step.store, self.generator)
+        tokens.index_copy_(0, forward, drawn[None])
+        forward.add_(1)
 
-    def _capture(self, step: _ChainStep, sampler: _Sampler, forward: int) -> None:
-        run = lambda: self._run(step, sampler, forward)  # noqa: E731
-        sampler.graphs[forward - 1], _ = self.captures.capture(run, self.memory)
+    def _capture(self, step: _ChainStep, sampler: _Sampler) -> None:
+        sampler.graph, _ = self.captures.capture(lambda: self._run(step, sampler), self.memory)

@@ -124,9 +124,10 @@ class DraftSampling:
         return dataclasses.replace(self, **{name: change(column) for name, column in self._columns().items()})
 
     def select(
-        self, logits: torch.Tensor, forward: int, store: torch.Tensor, generator: torch.Generator | None
+        self, logits: torch.Tensor, forward: int | torch.Tensor, store: torch.Tensor, generator: torch.Generator | None
     ) -> torch.Tensor:
-        """The tokens forward ``forward`` of the chains draws from ``logits`` (``[D, V]``, request i in row i):
+        """The tokens forward ``forward`` of the chains draws from ``logits`` (``[D, V]``, request i in row i;
+        ``forward``: its index, or a device tensor ``[1]`` holding it, as in a chain graph that serves every forward):
         the argmax for greedy requests, else a draw from the warped distribution (transformers' order: stop
         tokens below ``min_new_tokens``, temperature, top-k, top-p), which goes to ``store`` (the ``[rows, k,
         V]`` draft-probs store) for the verify's rejection sampling. A round of greedy requests alone takes the

@@ -77,18 +77,19 @@ def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
 
 @pytest.mark.parametrize("sampling", [{"do_sample": False}, {"do_sample": True, "top_k": 5, "top_p": 0.9}])
 def test_a_chain_graph_runs_the_forwards_its_round_has(monkeypatch, sampling):
-    """The chain graphs run forward j of a round only when its longest chain has one: a short round runs
-    fewer forwards, not all k - 1 (a graph holding every forward cost short rounds a full one's time). Greedy
-    and top-k/top-p sampled rounds both run through them (each sampling layout has its own graphs)."""
+    """The chain graph runs forward j of a round only when its longest chain has one: a short round runs
+    fewer forwards, not all k - 1 (a graph holding every forward cost short rounds a full one's time), and
+    each run reads the next forward from the device counter, starting at 1. Greedy and top-k/top-p sampled
+    rounds both run through it (each sampling layout has its own graph)."""
     spec, batch = tiny_spec("llama", 2), Batch((9, 30, 17), seed=3)
     wrapped = sparsespec.wrap(spec.build(), draft="pillar_recent", cuda_graphs=True, **OPTIONS)
     runner = wrapped.engine.runner
     forwards, steps = [], []
     run, launch = runner.chain_graphs._run, runner.launch
 
-    def count_forwards(step, sampler, forward):
-        forwards.append(forward)
-        return run(step, sampler, forward)
+    def count_forwards(step, sampler):
+        forwards.append(int(step.forward))
+        return run(step, sampler)
 
     def record(plan):
         before = len(forwards)
@@ -122,9 +123,9 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft):
     assert torch.equal(expected, actual)
     runner = wrapped.engine.runner
     assert runner.graphs.num_captured > 0
-    if draft is not None:  # the chains' later forwards replayed from their own graphs
+    if draft is not None:  # the chains' later forwards replayed from their own graph
         samplers = [sampler for step in runner.chain_graphs._steps.values() for sampler in step.samplers.values()]
-        assert any(graph is not None for sampler in samplers for graph in sampler.graphs)
+        assert any(sampler.graph is not None for sampler in samplers)
 
 
 @pytest.mark.gpu
