@@ -182,25 +182,37 @@ class Runner:
         if not items or self.policy.selects_in_attention:
             return {}, None
         requests = [item.request for item in items]
-        rows = [self.table.row(request) for request in requests]
-        positions = [item.first_position for item in items]
+        rows = np.fromiter((self.table.row(request) for request in requests), np.int64, len(requests))
+        positions = np.fromiter((item.first_position for item in items), np.int64, len(items))
         view, _ = self._policy_lists(requests, rows, positions, shifts)  # [layers, Hkv, N]
         return self._layer_views(view), view.kv_indices
 
     def _policy_lists(
         self,
         requests: Sequence[Request],
-        rows: Sequence[int],
-        positions: Sequence[int],
+        rows: np.ndarray,
+        positions: np.ndarray,
         shifts: torch.Tensor | None = None,
+        owner: np.ndarray | None = None,
     ) -> tuple[KVView, list[int]]:
-        """The lists the policy fixes for draft forwards of ``requests`` (slot-table ``rows``) at ``positions``
-        (see ``_draft_lists``)."""
-        chosen = [self.policy.draft_positions(r, p) for r, p in zip(requests, positions, strict=True)]
-        fixed, recent_from = zip(*chosen, strict=True)
+        """The lists the policy fixes for draft forwards (see ``_draft_lists``): entry ``e`` is the draft of
+        ``requests[owner[e]]`` (slot-table row ``rows[e]``) at ``positions[e]``; ``owner`` None: entry ``e`` is
+        request ``e``'s. Entries of one request come in forward order, its first one first."""
+        owner = np.arange(len(requests)) if owner is None else owner
+        if self.policy.positions_fixed_per_round:  # asked once per request (at its first entry), read by each
+            asked = int(owner.max()) + 1  # the requests with entries: a prefix, their first entries in order
+            queries = zip(requests[:asked], positions[:asked].tolist(), strict=True)
+            which = owner
+        else:
+            queries = ((requests[o], p) for o, p in zip(owner.tolist(), positions.tolist(), strict=True))
+            which = np.arange(len(owner))
+        chosen = [self.policy.draft_positions(request, position) for request, position in queries]
+        fixed, recent = zip(*chosen, strict=True)
+        recent_from = np.asarray(recent, dtype=np.int64)[which]
         if shifts is not None:  # a round launched ahead reads at least every position since the committed ones
-            recent_from = [min(first, r.num_computed_tokens) for first, r in zip(recent_from, requests, strict=True)]
-        return self._draft_lists(rows, positions, fixed, recent_from, shifts)
+            computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, len(requests))
+            recent_from = np.minimum(recent_from, computed[owner])
+        return self._draft_lists(rows, positions, fixed, which, recent_from, shifts)
 
     def _layer_views(self, view: KVView) -> dict[int, KVView]:
         """Each sparse layer's view of stacked draft lists ``[layers, Hkv, N]``."""
@@ -217,36 +229,34 @@ class Runner:
 
     def _draft_lists(
         self,
-        rows: Sequence[int],
-        positions: Sequence[int],
+        rows: np.ndarray,
+        positions: np.ndarray,
         fixed: Sequence[torch.Tensor],
-        recent_from: Sequence[int] | None,
+        which: np.ndarray,
+        recent_from: np.ndarray | None,
         shifts: torch.Tensor | None = None,
     ) -> tuple[KVView, list[int]]:
         """Per-KV-head slot lists of draft forwards (``[layers, Hkv, N]``, or ``[Hkv, N]`` for one layer's
         selection), built for all of them at once on the device, in a few launches whatever the batch: the
-        draft of slot-table row ``rows[j]`` at ``positions[j]`` reads its ``fixed[j]`` positions (``[n]`` or
-        ``[..., Hkv, n]``; -1 stays padding) and, when ``recent_from`` is given, every position from
-        ``recent_from[j]`` to ``positions[j]``. ``shifts`` (device, per draft; None: none): draft j really sits
-        at ``positions[j] - shifts[j]`` (a round launched ahead), and what its list holds past that position
-        becomes padding. Also returns the offsets (host), to slice the lists per forward of a draft chain."""
+        draft of slot-table row ``rows[j]`` at ``positions[j]`` reads the positions of ``fixed[which[j]]``
+        (``[n]`` or ``[..., Hkv, n]``; -1 stays padding; each tensor is sent once, however many drafts read it)
+        and, when ``recent_from`` is given, every position from ``recent_from[j]`` to ``positions[j]``.
+        ``shifts`` (device, per draft; None: none): draft j really sits at ``positions[j] - shifts[j]`` (a round
+        launched ahead), and what its list holds past that position becomes padding. Also returns the offsets
+        (host), to slice the lists per forward of a draft chain."""
         num_layers, num_heads = len(self.policy.sparse_layers), self.policy.num_kv_heads
         shape = (num_heads,) if fixed[0].dim() == 2 else (num_layers, num_heads)
-        # Each distinct tensor is sent once: a round's pattern serves every forward of its draft chain. The
-        # offsets are NumPy over all entries (a chain's lists at batch 256 hold 1,792 of them).
-        distinct = {id(f): f for f in fixed}  # first seen first
-        number = {key: i for i, key in enumerate(distinct)}
-        which = np.fromiter((number[id(f)] for f in fixed), np.int64, len(fixed))
-        sources = [f.expand(*shape, -1) if f.dim() == 1 else f for f in distinct.values()]
+        # The offsets are NumPy over all entries (a chain's lists at batch 256 hold 1,792 of them).
+        sources = [f.expand(*shape, -1) if f.dim() == 1 else f for f in fixed]
         source_starts = _offsets(np.fromiter((f.shape[-1] for f in sources), np.int64, len(sources)))
         fixed_lengths = np.diff(source_starts)[which]
-        ends = np.asarray(positions, dtype=np.int64) + 1
-        first_recent = ends if recent_from is None else np.asarray(recent_from, dtype=np.int64)  # None: no run
+        ends = positions + 1
+        first_recent = ends if recent_from is None else recent_from  # None: no run
         recent_lengths = ends - first_recent
         lengths = fixed_lengths + recent_lengths
         indptr, fixed_starts, recent_starts = _offsets(lengths), _offsets(fixed_lengths), _offsets(recent_lengths)
         meta = self._tensor(
-            np.stack([np.asarray(rows, dtype=np.int64), lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1],
+            np.stack([rows, lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1],
                       recent_lengths, recent_starts[:-1], first_recent, source_starts[which]])
         )  # fmt: skip
         row, length, start, fixed_length, fixed_start, recent_length, recent_start, first_recent, source_start = meta
@@ -283,8 +293,9 @@ class Runner:
                     item.request, item.first_position, layer, query, k_cache[slots], scale
                 )
                 positions.append(chosen.to(self.device))
-            rows = [self.table.row(item.request) for item in items]
-            return self._draft_lists(rows, [item.first_position for item in items], positions, None)[0]
+            rows = np.fromiter((self.table.row(item.request) for item in items), np.int64, len(items))
+            firsts = np.fromiter((item.first_position for item in items), np.int64, len(items))
+            return self._draft_lists(rows, firsts, positions, np.arange(len(items)), None)[0]
 
         return select
 
@@ -436,10 +447,7 @@ class Runner:
         owner = np.concatenate([np.arange(count) for count in counts])
         first_positions = np.fromiter((item.first_position for item in drafts), np.int64, len(drafts))
         entry_positions = first_positions[owner] + np.repeat(np.arange(1, longest), counts)
-        positions = entry_positions.tolist()
-        requests = [drafts[i].request for i in owner.tolist()]
         entry_rows = np.array(draft_rows)[owner]
-        rows = entry_rows.tolist()
         computed = np.fromiter((_device_computed(item) for item in drafts), np.int64, len(drafts))[owner]
         sent = self._tensor(np.stack([entry_positions - computed, entry_rows]))  # offsets past computed, rows
         entry_positions_t = self.table.computed[sent[1]] + sent[0]
@@ -447,7 +455,8 @@ class Runner:
         lists, offsets = None, None
         if not self.policy.selects_in_attention:
             entry_shifts = None if shifts is None else shifts[self._tensor(owner)]
-            lists, offsets = self._policy_lists(requests, rows, positions, entry_shifts)
+            requests = [item.request for item in drafts]
+            lists, offsets = self._policy_lists(requests, entry_rows, entry_positions, entry_shifts, owner)
         # Sampled once per forward from the round's columns: the chain graph's ops, or the same ops per forward.
         if self._chain_graph_runs(draft_rows):
             inputs = self._chain_inputs(counts, first, layout, lists, offsets, sampling)
