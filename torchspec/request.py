@@ -100,14 +100,14 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Read per request many times per step (a property's call, at batch 256, is host time a step pays): kept.
+    num_prompt_tokens: int = field(init=False)
+    table_row: int | None = field(default=None, init=False)  # its row of the runner's slot table, while it holds one
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+        self.num_prompt_tokens = len(self.prompt_ids)
 
     @property
     def output_ids(self) -> list[int]:

@@ -32,32 +32,38 @@ class SlotTable:
         self.slots = torch.zeros(0, 0, dtype=torch.int64, device=device)
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)
         self.computed = torch.zeros(0, dtype=torch.int64, device=device)
-        self._rows: dict[int, int] = {}  # id(request) -> row
+        self._holders: dict[int, Request] = {}  # row -> the request holding it (its ``table_row``)
         self._free_rows: list[int] = []
 
     def reset(self) -> None:
         """Forget every request (a new run starts)."""
-        self._rows.clear()
+        for request in self._holders.values():
+            request.table_row = None
+        self._holders.clear()
         self._free_rows = list(range(self.slots.shape[0] - 1, -1, -1))
 
     def row(self, request: Request) -> int:
         """The request's row; on first use, one is assigned and the request's slots written to it."""
-        key = id(request)
-        if key not in self._rows:
-            if not self._free_rows:
-                self._grow(rows=max(8, 2 * self.slots.shape[0]), width=self.slots.shape[1])
-            row = self._rows[key] = self._free_rows.pop()
-            count = len(request.slots)
-            if count > self.slots.shape[1]:
-                self._grow(rows=self.slots.shape[0], width=max(count, 2 * self.slots.shape[1], 256))
-            self.slots[row, :count] = to_device(request.slots, self.device)
-            self.computed[row] = request.num_computed_tokens
-        return self._rows[key]
+        if request.table_row is not None:
+            return request.table_row
+        if not self._free_rows:
+            self._grow(rows=max(8, 2 * self.slots.shape[0]), width=self.slots.shape[1])
+        row = self._free_rows.pop()
+        count = len(request.slots)
+        if count > self.slots.shape[1]:
+            self._grow(rows=self.slots.shape[0], width=max(count, 2 * self.slots.shape[1], 256))
+        self.slots[row, :count] = to_device(request.slots, self.device)
+        self.computed[row] = request.num_computed_tokens
+        request.table_row = row
+        self._holders[row] = request
+        return row
 
     def release(self, request: Request) -> None:
         """Give a finished request's row back."""
-        row = self._rows.pop(id(request), None)
+        row = request.table_row
         if row is not None:
+            del self._holders[row]
+            request.table_row = None
             self._free_rows.append(row)
 
     def _grow(self, rows: int, width: int) -> None:

@@ -190,7 +190,7 @@ def test_rounds_ahead_draft_over_the_whole_recent_window(monkeypatch):
     runner, lists = wrapped.engine.runner, []
     draft_lists, lookup = runner._draft_lists, runner.table.lookup
 
-    def spy_draft_lists(rows, positions, fixed, recent_from, shifts=None):
+    def spy_draft_lists(rows, positions, fixed, which, recent_from, shifts=None):
         seen = {}
 
         def spy_lookup(entry_rows, entry_positions):
@@ -198,10 +198,10 @@ def test_rounds_ahead_draft_over_the_whole_recent_window(monkeypatch):
             return lookup(entry_rows, entry_positions)
 
         monkeypatch.setattr(runner.table, "lookup", spy_lookup)
-        view, offsets = draft_lists(rows, positions, fixed, recent_from, shifts)
+        view, offsets = draft_lists(rows, positions, fixed, which, recent_from, shifts)
         monkeypatch.setattr(runner.table, "lookup", lookup)
         shift = [0] * len(positions) if shifts is None else shifts.tolist()
-        for j, (position, behind) in enumerate(zip(positions, shift, strict=True)):
+        for j, (position, behind) in enumerate(zip(positions.tolist(), shift, strict=True)):
             entries = seen["positions"][offsets[j] : offsets[j + 1]].tolist()
             lists.append((position - behind, [p for p in entries if p >= 0], shifts is not None))
         return view, offsets
