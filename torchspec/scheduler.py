@@ -406,19 +406,25 @@ class Scheduler:
         stats.context_per_round.append(request.num_computed_tokens)  # where it started (a bound item's is exact now)
 
     def _append(self, request: Request, tokens: list[int]) -> bool:
-        """Append accepted tokens one by one, stopping at a stop token or the length limit."""
-        for token in tokens:
-            request.token_ids.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = time.perf_counter()
-            params = request.params
-            if token in params.stop_token_ids and request.num_output_tokens >= params.min_new_tokens:
-                self.finish(request, FinishReason.STOP)
-                return True
-            if request.num_output_tokens >= params.max_new_tokens:
-                self.finish(request, FinishReason.LENGTH)
-                return True
-        return False
+        """Append accepted tokens, up to and including the first stop token (once ``min_new_tokens`` are out) or
+        the one that reaches ``max_new_tokens``; True when the request finished."""
+        params, produced = request.params, request.num_output_tokens
+        kept, reason = len(tokens), None
+        for count, token in enumerate(tokens, start=produced + 1):  # outputs once this token is appended
+            if token in params.stop_token_ids and count >= params.min_new_tokens:
+                reason = FinishReason.STOP
+            elif count >= params.max_new_tokens:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            kept = count - produced
+            break
+        request.token_ids.extend(tokens[:kept])
+        if request.first_token_time is None and kept:
+            request.first_token_time = time.perf_counter()
+        if reason is not None:
+            self.finish(request, reason)
+        return reason is not None
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a running request at once and give its slots back."""
