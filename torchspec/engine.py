@@ -204,8 +204,9 @@ class Engine:
                         now = time.perf_counter()
                         since = started if launched is None else last_commit
                         if since is not None:
-                            span = in_flight.drafts_span
-                            scheduler.observe_step(in_flight.plan, 1e3 * (now - since), span.ms() if span else None)
+                            span, forwards = in_flight.chain_span, in_flight.num_chain_forwards
+                            draft_ms = span.ms() / forwards if span is not None else None
+                            scheduler.observe_step(in_flight.plan, 1e3 * (now - since), draft_ms)
                         last_commit = now
                         yield committed
                     in_flight = launched

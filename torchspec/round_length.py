@@ -55,8 +55,8 @@ class StepCosts:
     """Measured milliseconds of a batch-size bucket's steps, the last ``RECENT_STEPS`` of each kind."""
 
     plain: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # a step without drafts
-    # A round's step without its drafts (the verify, token selection, bookkeeping), and each draft forward of a
-    # round (its share of the step until the chain ends).
+    # A round's step without its drafts (the first forward, the verify, token selection, bookkeeping), and one
+    # more draft forward of a round.
     round: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     draft: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     last_measured: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})  # drafting? -> step
@@ -101,9 +101,14 @@ class RoundLength:
             drafting = not drafting  # the other mode's costs are stale: measure them again
         return best_round if drafting else 0
 
-    def observe(self, batch: int, length: int, wall_ms: float, drafts_ms: float | None) -> None:
-        """A decoding step of ``batch`` requests ran rounds of ``length`` drafts (0: plain; one forward each) in
-        ``wall_ms``, its draft forwards ending ``drafts_ms`` after it started."""
+    def observe(self, batch: int, length: int, wall_ms: float, draft_ms: float | None) -> None:
+        """A decoding step of ``batch`` requests ran rounds of ``length`` drafts (0: plain) in ``wall_ms``; one
+        of its later draft forwards took ``draft_ms`` (the chain's forwards back to back, over their count;
+        None: the round had none). That is what one more draft adds to a round; the rest of the step (the
+        first forward, the verify, the host's share, which at a handful of requests is most of a round) is the
+        round's fixed cost. Charging the drafts everything up to their end made short rounds look cheap where
+        that fixed cost dominates (W1's tail: a lone request drafting ~2 of 8 ran plain steps of ~3.8 ms, where
+        a round of 8 made ~3 tokens for little more)."""
         self._steps += 1
         if not self.adaptive:
             return
@@ -111,9 +116,12 @@ class RoundLength:
         costs.last_measured[length > 0] = self._steps
         if length == 0:
             costs.plain.append(wall_ms)
-        elif drafts_ms is not None:
-            costs.draft.append(drafts_ms / length)
-            costs.round.append(max(wall_ms - drafts_ms, 0.0))
+            return
+        if draft_ms is not None:
+            costs.draft.append(draft_ms)
+        draft = _median(costs.draft)
+        if draft is not None:  # a round of one draft alone (no later forward) splits by the drafts measured before
+            costs.round.append(max(wall_ms - length * draft, 0.0))
 
 
 def _bucket(batch: int) -> int:

@@ -307,7 +307,6 @@ class Runner:
         step's tokens to the host. Nothing here waits for the GPU: a round's forwards queue back to back, and
         the next step can be queued before this one is collected."""
         drafts = plan.scheduled[: plan.num_drafts]
-        drafts_span = _Span(self.device) if drafts else None
         shifts = self._shifts(plan.scheduled)
         draft_shifts = None if shifts is None else shifts[: len(drafts)]
         input_ids, position_ids, metadata = self.build_metadata(plan, shifts=shifts)
@@ -318,9 +317,8 @@ class Runner:
         picks = self._pick(plan, logits, first_row, sampling=sampling, shifts=shifts)
         self._advance(plan, picks)
         chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
-        chain += self._later_drafts(drafts, draft_rows, chain[0], sampling, draft_shifts)
-        if drafts_span is not None:
-            drafts_span.stop()
+        later, chain_span = self._later_drafts(drafts, draft_rows, chain[0], sampling, draft_shifts)
+        chain += later
         parts = [*picks.parts(), *chain[1:]]
         verify = self._verify_rounds(drafts, chain, draft_shifts)
         if verify is not None:
@@ -333,7 +331,7 @@ class Runner:
             num_chain_forwards=len(chain) - 1,
             readback=_Readback(torch.cat(parts)),
             entropies=None if picks.entropies is None else _Readback(picks.entropies),
-            drafts_span=drafts_span,
+            chain_span=chain_span,
         )
 
     def _verify_rounds(
@@ -431,15 +429,16 @@ class Runner:
         first: torch.Tensor,
         sampling: DraftSampling | None,
         shifts: torch.Tensor | None,
-    ) -> list[torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], _Span | None]:
         """The tokens of the later forwards of the step's draft chains (forward j holds the drafts whose chain
         is longer than j: a prefix, as drafts are sorted longest chain first), each forward fed the previous
         one's tokens on the device. Their slots and draft lists are built together (one slot-table lookup and
         one list build for all forwards); then the chain graphs replay them where they can, else one forward
-        per draft runs with its own selection."""
+        per draft runs with its own selection. Also the span of those forwards alone, back to back: what one
+        more draft costs a round (the round length's measure; None without later forwards)."""
         longest = max((item.chain for item in drafts), default=1)
         if longest == 1:
-            return []
+            return [], None
         # Forward j (1 .. longest - 1) holds the drafts whose chain is longer than j: a prefix of them. Its
         # entries, forward after forward: each such draft at its first position + j.
         chains = np.fromiter((item.chain for item in drafts), np.int64, len(drafts))
@@ -460,17 +459,21 @@ class Runner:
         # Sampled once per forward from the round's columns: the chain graph's ops, or the same ops per forward.
         if self._chain_graph_runs(draft_rows):
             inputs = self._chain_inputs(counts, first, layout, lists, offsets, sampling)
+            span = _Span(self.device)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
-            return [tokens[j, :count] for j, count in enumerate(counts)]
+            span.stop()
+            return [tokens[j, :count] for j, count in enumerate(counts)], span
         max_list_len = self._max_list_len(drafts)
         chain = [first]
         metadata = self._chain_metadata(drafts, counts, layout, lists, offsets)
+        span = _Span(self.device)
         for forward, (count, position_ids, forward_metadata) in enumerate(metadata, start=1):
             logits = self._logits(
                 forward_metadata, chain[-1][None, :count], position_ids, list(range(count)), max_list_len=max_list_len
             )
             chain.append(sampling.prefix(count).select(logits, forward, self.draft_probs.probs, self.generator))
-        return chain[1:]
+        span.stop()
+        return chain[1:], span
 
     def _chain_graph_runs(self, rows: Sequence[int]) -> bool:
         """Whether this step's chains replay from the chain graphs: every draft request in a slot-table row
@@ -880,7 +883,7 @@ class LaunchedStep:
     num_chain_forwards: int  # later forwards of the step's draft chains
     readback: _Readback
     entropies: _Readback | None  # draft rows' entropies, for policies that steer by them
-    drafts_span: _Span | None  # from the step's start to the end of its draft forwards (None: no drafts)
+    chain_span: _Span | None  # the later forwards of its draft chains, back to back (None: none ran)
 
 
 @dataclass

@@ -253,12 +253,12 @@ class Scheduler:
             return self.max_batch_size
         return -(-sum(request.decoding for request in self.running) // 2)
 
-    def observe_step(self, plan: StepPlan, wall_ms: float, drafts_ms: float | None) -> None:
-        """Report a step's cost to the round length: its wall time and when its drafts ended (ms after it
-        started). Decoding steps only: a step with prompt chunks costs what no round costs."""
+    def observe_step(self, plan: StepPlan, wall_ms: float, draft_ms: float | None) -> None:
+        """Report a step's cost to the round length: its wall time and what one of its later draft forwards
+        took (None: none ran). Decoding steps only: a step with prompt chunks costs what no round costs."""
         if any(item.phase is Phase.PREFILL for item in plan.scheduled):
             return
-        self.round_length.observe(len(plan.scheduled), plan.round_length, wall_ms, drafts_ms)
+        self.round_length.observe(len(plan.scheduled), plan.round_length, wall_ms, draft_ms)
 
     def _filling(self) -> bool:
         """The batch is still filling: its pending prompt tokens exceed one step's budget. Its steps then
