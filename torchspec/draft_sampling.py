@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from torchspec.request import Request
-from torchspec.sampling import TOPK_CHUNK, chunked_topk, warp_logits
+from torchspec.sampling import warp_logits
 from torchspec.transfer import to_device
 
 
@@ -146,7 +146,7 @@ class DraftSampling:
             return logits.argmax(dim=-1)
         candidates, support = logits, None
         if self.support is not None and self.support < logits.shape[-1]:
-            candidates, support = chunked_topk(logits, self.support, TOPK_CHUNK)  # values in descending order
+            candidates, support = logits.topk(self.support, dim=-1)  # values in descending order
         warped = warp_logits(
             candidates, self.temperature, self.top_k, self.top_p, self.max_top_k, sorted_descending=support is not None
         )

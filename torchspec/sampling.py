@@ -12,9 +12,6 @@ import torch
 from torchspec.request import SamplingParams
 from torchspec.transfer import row_index, to_device
 
-# Entries per chunk of a vocabulary top-k (``chunked_topk``); benchmarks/topk_chunked.py measures the choices.
-TOPK_CHUNK = 1024
-
 
 def suppress_stop_tokens(
     logits: torch.Tensor,
@@ -81,8 +78,7 @@ def warp_logits(
     sort of the vocabulary for it: the common case, and two sorts of ``[256, V]`` cost more than the forward
     of a small model). ``max_top_k``: at least every row's top_k (0: none filters), known on the host, so each
     row's threshold (its k-th largest logit, transformers' cut-off) comes from one ``topk`` of that width
-    instead of a sort of the vocabulary (transformers' default top_k=50 against a 49K vocabulary; chunked, see
-    ``chunked_topk``). The ``topk``
+    instead of a sort of the vocabulary (transformers' default top_k=50 against a 49K vocabulary). The ``topk``
     reads the logits as given, before the temperature: dividing by a positive temperature keeps the order, so
     the k-th largest scaled logit is the scaled k-th largest, and a bf16 ``topk`` takes half the radix passes
     of an fp32 one. ``sorted_descending``: the rows are in descending order already (the values of a vocabulary
@@ -93,7 +89,7 @@ def warp_logits(
     if top_k is not None and max_top_k > 0:
         width = min(max_top_k, vocab_size)
         k = top_k.clamp(max=width)
-        largest = logits if sorted_descending else chunked_topk(logits, width, TOPK_CHUNK)[0]  # descending
+        largest = logits if sorted_descending else logits.topk(width, dim=-1).values  # descending
         kth_largest = largest.gather(1, (k - 1).clamp(min=0)[:, None]) / temperature[:, None]
         kth_largest = torch.where(k[:, None] > 0, kth_largest, float("-inf"))  # top_k = 0: nothing filtered
         scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))

@@ -14,7 +14,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from torchspec.request import SamplingParams
-from torchspec.sampling import chunked_topk, sample_tokens, suppress_stop_tokens, warp_logits
+from torchspec.sampling import sample_tokens, suppress_stop_tokens, warp_logits
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -273,18 +273,3 @@ def test_validate_rejects_out_of_range(kwargs):
 def test_validate_accepts_boundary_values(kwargs):
     """The boundary values of each valid range pass validation."""
     SamplingParams(**kwargs).validate()
-
-
-@pytest.mark.parametrize(
-    ("width", "k", "chunk"),
-    [(1000, 50, 128), (1024, 50, 256), (300, 50, 128), (100, 50, 64), (4096, 50, 1024)],
-    ids=["partial-last-chunk", "whole-chunks", "few-chunks", "chunk-below-k", "vocabulary-like"],
-)
-def test_a_chunked_topk_keeps_topks_values_and_their_indices(width, k, chunk):
-    """Values exactly ``torch.topk``'s (descending), and indices that hold them, whether the row splits into
-    whole chunks, ends with a partial one, or is too short to split; ties (rounded bf16 logits) included."""
-    logits = (torch.randn(6, width, generator=torch.Generator().manual_seed(width)) * 4).round().to(torch.bfloat16)
-    values, indices = chunked_topk(logits, k, chunk)
-    assert torch.equal(values, logits.topk(k, dim=-1).values)
-    assert torch.equal(logits.gather(1, indices), values)
-    assert all(len(set(row)) == k for row in indices.tolist())  # k distinct entries
