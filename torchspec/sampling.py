@@ -38,27 +38,6 @@ def suppress_stop_tokens(
         logits.index_put_(index, forbidden)
 
 
-def chunked_topk(rows: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows.topk(k, dim=-1)`` of ``[R, V]`` (values descending, and their indices), from a top-k of each
-    ``chunk`` entries first and then one of the chunks' winners: a row's k largest are among its chunks' k
-    largest, so the values are exactly ``topk``'s. Among entries tied with the k-th largest, the indices kept
-    may differ. ``torch.topk`` selects over a long row in several radix passes; short rows it sorts in one go
-    (benchmarks/topk_chunked.py). A row too short for two chunks of at least ``k`` takes ``topk`` itself."""
-    width = rows.shape[-1]
-    whole = width // chunk
-    if whole < 2 or chunk < k:
-        return rows.topk(k, dim=-1)
-    head = rows[:, : whole * chunk].unflatten(1, (whole, chunk)).topk(k, dim=-1)
-    offsets = torch.arange(0, whole * chunk, chunk, device=rows.device)[:, None]
-    values, indices = head.values.flatten(1), (head.indices + offsets).flatten(1)
-    if whole * chunk < width:  # the last, partial chunk joins the winners as it is
-        values = torch.cat([values, rows[:, whole * chunk :]], dim=1)
-        tail = torch.arange(whole * chunk, width, device=rows.device).expand(rows.shape[0], -1)
-        indices = torch.cat([indices, tail], dim=1)
-    best = values.topk(k, dim=-1)
-    return best.values, indices.gather(1, best.indices)
-
-
 def warp_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,
