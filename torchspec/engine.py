@@ -202,6 +202,7 @@ class Engine:
         self.runner.table.reset()
         in_flight: LaunchedStep | None = None  # launched, not yet read back (delayed verification)
         last_commit: float | None = None  # when the last step was read back and applied
+        captures = self.runner.num_captures  # graph captures as of the last step applied
         try:
             with routed_attention(self.model), self._fused_forwards(), _frozen_heap():
                 while scheduler.has_work():
@@ -218,7 +219,10 @@ class Engine:
                         # the last one was applied (in a steady stream, one step finishes per that period).
                         now = time.perf_counter()
                         since = started if launched is None else last_commit
-                        if since is not None:
+                        # A graph captured since the last step applied (launching this one or the next) is time
+                        # no later step pays: a bucket's first round would otherwise read as a dear one.
+                        captured, captures = self.runner.num_captures != captures, self.runner.num_captures
+                        if since is not None and not captured:
                             span, forwards = in_flight.chain_span, in_flight.num_chain_forwards
                             draft_ms = span.ms() / forwards if span is not None else None
                             scheduler.observe_step(in_flight.plan, 1e3 * (now - since), draft_ms)

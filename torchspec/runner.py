@@ -82,6 +82,11 @@ class Runner:
         ):
             self.chain_graphs = ChainGraphs(self.graphs, self.num_draft_slots, generator)
 
+    @property
+    def num_captures(self) -> int:
+        """CUDA graphs captured so far (step and chain graphs share one log)."""
+        return self.graphs.captures.count if self.graphs is not None else 0
+
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return to_device(values, self.device)
 

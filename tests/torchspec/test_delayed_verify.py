@@ -21,7 +21,7 @@ from tests.torchspec.conftest import Batch, assert_no_slot_leak, generated_rows,
 from torchspec import sparsespec
 from torchspec.drafting import POLICIES
 from torchspec.runner import LaunchedStep
-from torchspec.scheduler import Phase, StepPlan
+from torchspec.scheduler import Phase, Scheduler, StepPlan
 
 SPECS = [tiny_spec("llama", 2), tiny_spec("qwen3", 4)]
 BATCH = Batch((40, 77, 9, 150, 101, 23), seed=3)
@@ -213,3 +213,28 @@ def test_rounds_ahead_draft_over_the_whole_recent_window(monkeypatch):
         assert len(entries) == len(set(entries)), f"draft at {position} reads a position twice: {sorted(entries)}"
         missing = set(range(max(0, position - window), position + 1)) - set(entries)
         assert not missing, f"draft at {position} misses recent positions {sorted(missing)}"
+
+
+def test_a_step_around_a_graph_capture_does_not_teach_the_round_length(monkeypatch):
+    """A step during which a CUDA graph was captured (W1 on the H200: ~160 ms each, at every new bucket) is no
+    measure of what a round or a plain step costs: its cost is not reported to the round length, the others'
+    are. Captures are faked here (a CPU captures nothing): every third launch counts one."""
+    wrapped = sparsespec.wrap(SPECS[0].build(), draft="pillar_recent", cuda_graphs=True, adaptive_rounds=True, k=4)
+    runner, launch, observed = wrapped.engine.runner, wrapped.engine.runner.launch, []
+    launches = []
+
+    def launch_and_capture(plan: StepPlan) -> LaunchedStep:
+        launches.append(plan)
+        if len(launches) % 3 == 0:
+            runner.graphs.captures.count += 1
+        return launch(plan)
+
+    def observe(scheduler, plan, wall_ms, draft_ms):
+        observed.append(plan)
+
+    monkeypatch.setattr(runner, "launch", launch_and_capture)
+    monkeypatch.setattr(Scheduler, "observe_step", observe)
+    wrapped.generate(**BATCH.kwargs(), max_new_tokens=30, do_sample=False)
+    assert observed, "no step's cost was reported"
+    # Each capture leaves out the step applied while it ran (the first applied step has no period to report).
+    assert len(observed) <= len(launches) - len(launches) // 3 + 1, (len(launches), len(observed))
