@@ -128,10 +128,10 @@ class StepPlan:
     """Plain host data describing one forward step; draft steps come first."""
 
     scheduled: list[ScheduledRequest]
+    num_drafts: int = field(init=False)  # read several times per step: counted once
 
-    @property
-    def num_drafts(self) -> int:
-        return sum(item.phase is Phase.DRAFT for item in self.scheduled)
+    def __post_init__(self) -> None:
+        self.num_drafts = sum(item.phase is Phase.DRAFT for item in self.scheduled)
 
     @property
     def num_tokens(self) -> int:
