@@ -221,8 +221,8 @@ class Engine:
                         since = started if launched is None else last_commit
                         # A graph captured since the last step applied (launching this one or the next) is time
                         # no later step pays: a bucket's first round would otherwise read as a dear one.
-                        captured, captures = self.runner.num_captures != captures, self.runner.num_captures
-                        if since is not None and not captured:
+                        before, captures = captures, self.runner.num_captures
+                        if since is not None and captures == before:
                             span, forwards = in_flight.chain_span, in_flight.num_chain_forwards
                             draft_ms = span.ms() / forwards if span is not None else None
                             scheduler.observe_step(in_flight.plan, 1e3 * (now - since), draft_ms)
