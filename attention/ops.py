@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from attention import layer_kernels, paged
+from attention import layer_kernels, logits_kernels, paged
 from attention.reference import OP_NAMES, FirstLists
 from attention.reference import store_kv as store_kv  # a plain index copy: no kernel of its own
 
@@ -174,3 +174,14 @@ rotary_store_kv = torch.library.custom_op("torchspec::rotary_store_kv", mutates_
 @rotary_store_kv.register_fake
 def _(query, key, value, cos, sin, k_cache, v_cache, slot_mapping):
     return query.new_empty(query.shape)
+
+
+@torch.library.custom_op("torchspec::warped_lse", mutates_args=())
+def warped_lse(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
+    """See :func:`attention.reference.warped_lse`."""
+    return logits_kernels.warped_lse(logits, temperature, cutoff)
+
+
+@warped_lse.register_fake
+def _(logits, temperature, cutoff):
+    return logits.new_empty(logits.shape[:1], dtype=torch.float32)

@@ -26,7 +26,15 @@ from typing import NamedTuple
 import torch
 
 #: The op set: every implementation (this module, the Triton ``attention.ops``) provides these functions.
-OP_NAMES = ("paged_attention", "attention_mass", "store_kv", "rms_norm", "silu_and_mul", "rotary_store_kv")
+OP_NAMES = (
+    "paged_attention",
+    "attention_mass",
+    "store_kv",
+    "rms_norm",
+    "silu_and_mul",
+    "rotary_store_kv",
+    "warped_lse",
+)
 #: The verify mass PillarAttn ranks: fp16 keeps ~3 significant digits of each probability (a Top-K of
 #: averaged probabilities needs no more; below 6e-8 a mass becomes 0), and a 16-bit Top-K takes two radix passes
 #: where fp32 takes four: PillarAttn's Top-K over 23,040 rows x 6.4K (W1 at 6.5K context) is ~4 ms of a round.
@@ -249,3 +257,12 @@ def rotary_store_kv(
     query, key = rotary_embedding(query, key, cos, sin)
     store_kv(k_cache, v_cache, key, value, slot_mapping)
     return query
+
+
+def warped_lse(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
+    """``[R]`` fp32: each row's ``logsumexp`` of ``logits / temperature`` (``[R, V]`` in any float dtype, divided
+    in fp32 as transformers' temperature warper does) over the entries at or above its ``cutoff`` (``[R]``, in
+    the same scaled units; -inf keeps every entry): the log-normaliser of the temperature- and top-k-warped
+    distribution, whose probabilities are then ``exp(scaled - lse)`` on the kept entries."""
+    scaled = logits / temperature[:, None].float()
+    return scaled.masked_fill(scaled < cutoff[:, None], float("-inf")).logsumexp(dim=-1)

@@ -152,8 +152,11 @@ class DraftSampling:
         )
         probs = warped.softmax(dim=-1)
         draws = torch.multinomial(probs, 1, generator=generator)
-        if support is not None:
+        columns = self.store_columns + forward
+        if support is None:
+            store[self.store_rows, columns] = probs
+        else:  # the rows' zeros, then their support's probabilities: no [D, V] copy of the distributions first
             draws = support.gather(1, draws)
-            probs = probs.new_zeros(logits.shape).scatter_(1, support, probs)
-        store[self.store_rows, self.store_columns + forward] = probs
+            store.index_put_((self.store_rows, columns), store.new_zeros(()))
+            store[self.store_rows[:, None], columns[:, None], support] = probs
         return torch.where(self.greedy, logits.argmax(dim=-1), draws[:, 0])

@@ -23,7 +23,7 @@ from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context, verify_mass_buffer
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.request import Request
-from torchspec.sampling import suppress_stop_tokens, warped_probs
+from torchspec.sampling import DenseProbs, WarpedLogits, suppress_stop_tokens, target_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.slot_table import SlotTable
 from torchspec.speculative import accept_greedy, accept_sampled
@@ -690,8 +690,12 @@ class Runner:
         prob_index[sampled_rows] = np.arange(sampled_rows.size)
         probs = None
         if sampled_rows.size:
-            probs = warped_probs(logits[row_index(sampled_rows.tolist(), self.device)], params, owner[sampled_rows])
-        tokens = logits.argmax(dim=-1)
+            # A verify forward of sampled rounds samples every row: read in place, not gathered (W1: 226 MB).
+            every = sampled_rows.size == owner.size
+            target_logits = logits if every else logits[row_index(sampled_rows.tolist(), self.device)]
+            probs = target_probs(target_logits, params, owner[sampled_rows], self.ops.warped_lse)
+        # Greedy rows take the argmax (a pass over the logits: 226 MB for W1's verify); sampled rows never read it.
+        tokens = logits.argmax(dim=-1) if greedy.any() else logits.new_zeros(logits.shape[0], dtype=torch.int64)
         drafts = np.flatnonzero(is_draft)
         if drafts.size:
             rows = row_index(first[drafts].tolist(), self.device)
@@ -753,7 +757,7 @@ class Runner:
         emitting: list[tuple[int, ScheduledRequest, int]],
         greedy: np.ndarray,
         tokens: torch.Tensor,
-        probs: torch.Tensor | None,
+        probs: DenseProbs | WarpedLogits | None,
         prob_index: np.ndarray,
         drafted: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -793,7 +797,7 @@ class Runner:
     def _accept_sampled(
         self,
         verifies: list[tuple[int, ScheduledRequest, int]],
-        probs: torch.Tensor,
+        probs: DenseProbs | WarpedLogits,
         prob_index: np.ndarray,
         drafts: torch.Tensor,
         num_drafts: torch.Tensor,
@@ -810,12 +814,12 @@ class Runner:
         # are the store's, read where the draft steps wrote them (entries past a round's drafts are padding).
         draft_rows = torch.arange(len(verifies), device=self.device)
         if (self.policy is not None and self.policy.proposes_tokens) or not n:
-            draft_probs = torch.zeros(len(verifies), n, probs.shape[-1], dtype=probs.dtype, device=probs.device)
-            drafted = (steps[:, :n] < num_drafts[:, None]).to(probs.dtype)
+            draft_probs = torch.zeros(len(verifies), n, probs.vocab_size, dtype=torch.float32, device=self.device)
+            drafted = (steps[:, :n] < num_drafts[:, None]).to(draft_probs.dtype)
             draft_probs.scatter_(2, drafts[..., None], drafted[..., None])
         else:
             rows = [self.table.row(item.request) for _, item, _ in verifies]
-            self.draft_probs.reserve(max(rows) + 1, probs.shape[-1])
+            self.draft_probs.reserve(max(rows) + 1, probs.vocab_size)
             draft_probs, draft_rows = self.draft_probs.probs, self._tensor(rows)
         return accept_sampled(probs, target_rows, drafts, draft_probs, draft_rows, num_drafts, self.generator)
 

@@ -4,7 +4,7 @@ top-p."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -38,6 +38,23 @@ def suppress_stop_tokens(
         logits.index_put_(index, forbidden)
 
 
+def top_k_cutoff(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    max_top_k: int,
+    sorted_descending: bool = False,
+) -> torch.Tensor:
+    """``[R]`` fp32: each row's top-k cut-off in scaled units, its k-th largest logit over its temperature
+    (transformers keeps every scaled logit at or above it, ties included), -inf where ``top_k`` is 0. The k-th
+    largest comes from one ``topk`` of width ``max_top_k`` (see ``warp_logits``)."""
+    width = min(max_top_k, logits.shape[-1])
+    k = top_k.clamp(max=width)
+    largest = logits if sorted_descending else logits.topk(width, dim=-1).values  # descending
+    kth_largest = largest.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0] / temperature
+    return torch.where(k > 0, kth_largest, float("-inf"))  # top_k = 0: nothing filtered
+
+
 def warp_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -63,15 +80,10 @@ def warp_logits(
     of an fp32 one. ``sorted_descending``: the rows are in descending order already (the values of a vocabulary
     top-k, as a draft warps over its support), so that ``topk`` is not needed.
     """
-    vocab_size = logits.shape[-1]
     scaled = logits / temperature[:, None]
     if top_k is not None and max_top_k > 0:
-        width = min(max_top_k, vocab_size)
-        k = top_k.clamp(max=width)
-        largest = logits if sorted_descending else logits.topk(width, dim=-1).values  # descending
-        kth_largest = largest.gather(1, (k - 1).clamp(min=0)[:, None]) / temperature[:, None]
-        kth_largest = torch.where(k[:, None] > 0, kth_largest, float("-inf"))  # top_k = 0: nothing filtered
-        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
+        cutoff = top_k_cutoff(logits, temperature, top_k, max_top_k, sorted_descending)
+        scaled = scaled.masked_fill(scaled < cutoff[:, None], float("-inf"))
     if top_p is None:
         return scaled
     ascending, order = scaled.sort(dim=-1, descending=False)
@@ -83,25 +95,94 @@ def warp_logits(
     return scaled.masked_fill(remove, float("-inf"))
 
 
+def _warp_columns(
+    params: Sequence[SamplingParams], owner: np.ndarray | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+    """Per-row temperature, top-k and top-p for ``warp_logits`` (row ``r`` takes ``params[owner[r]]``; ``owner``
+    None: ``params[r]``), gathered with NumPy, not a loop per row; a filter no row applies is None."""
+    owner = np.arange(len(params)) if owner is None else owner
+    column = lambda values, dtype: np.fromiter(values, dtype, len(params))[owner]  # noqa: E731
+    top_k = column((p.top_k for p in params), np.int64)
+    top_p = column((p.top_p for p in params), np.float64)
+    return (
+        to_device(column((p.temperature for p in params), np.float64), device, torch.float32),
+        to_device(top_k, device, torch.int64) if top_k.any() else None,
+        to_device(top_p, device, torch.float64) if (top_p < 1).any() else None,
+        int(top_k.max(initial=0)),
+    )
+
+
 def warped_probs(
     logits: torch.Tensor, params: Sequence[SamplingParams], owner: np.ndarray | None = None
 ) -> torch.Tensor:
     """Softmax of transformers-warped logits (``[R, V]``, any float dtype; fp32 probabilities), row ``r``
-    warped by ``params[owner[r]]`` (``owner`` None: ``params[r]``); the per-row parameters are gathered with
-    NumPy, not a loop per row."""
-    owner = np.arange(len(params)) if owner is None else owner
-    column = lambda values, dtype: np.fromiter(values, dtype, len(params))[owner]  # noqa: E731
-    as_tensor = lambda values, dtype: to_device(values, logits.device, dtype)  # noqa: E731
-    top_k = column((p.top_k for p in params), np.int64)
-    top_p = column((p.top_p for p in params), np.float64)
-    warped = warp_logits(
-        logits,
-        as_tensor(column((p.temperature for p in params), np.float64), torch.float32),
-        as_tensor(top_k, torch.int64) if top_k.any() else None,
-        as_tensor(top_p, torch.float64) if (top_p < 1).any() else None,
-        max_top_k=int(top_k.max(initial=0)),
-    )
-    return warped.softmax(dim=-1)
+    warped by ``params[owner[r]]`` (``owner`` None: ``params[r]``)."""
+    temperature, top_k, top_p, max_top_k = _warp_columns(params, owner, logits.device)
+    return warp_logits(logits, temperature, top_k, top_p, max_top_k).softmax(dim=-1)
+
+
+class DenseProbs:
+    """Warped target distributions as their fp32 probabilities ``[R, V]``: what top-p needs (a sort of each
+    row's vocabulary decides which tokens it keeps)."""
+
+    def __init__(self, probs: torch.Tensor) -> None:
+        self.probs = probs
+        self.vocab_size = probs.shape[-1]
+
+    def at(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The probability of ``tokens`` under distribution ``rows`` (same shape)."""
+        return self.probs[rows, tokens]
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Whole distributions ``[len(rows), V]``."""
+        return self.probs[rows]
+
+
+class WarpedLogits:
+    """Warped target distributions (temperature and top-k, transformers' rules) kept as the logits they come
+    from: ``p(x) = exp(l_x / T - lse)`` where ``l_x / T`` reaches the row's top-k cut-off, else 0. Rejection
+    sampling reads p at a few tokens per row (the drafts) and whole rows only where it draws (one row per round):
+    the fp32 ``[R, V]`` probabilities of every verify row (W1: 450 MB, several passes over it) never exist."""
+
+    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor, lse: torch.Tensor):
+        self.logits = logits
+        self.temperature = temperature
+        self.cutoff = cutoff
+        self.lse = lse
+        self.vocab_size = logits.shape[-1]
+
+    def _probs(self, scaled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``scaled`` (entries of distributions ``rows``, broadcast along trailing dimensions) as probabilities."""
+        cutoff, lse = self.cutoff[rows], self.lse[rows]
+        while cutoff.dim() < scaled.dim():
+            cutoff, lse = cutoff[..., None], lse[..., None]
+        return torch.where(scaled >= cutoff, torch.exp(scaled - lse), 0.0)
+
+    def at(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The probability of ``tokens`` under distribution ``rows`` (same shape)."""
+        return self._probs(self.logits[rows, tokens] / self.temperature[rows], rows)
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Whole distributions ``[len(rows), V]``."""
+        return self._probs(self.logits[rows] / self.temperature[rows, None], rows)
+
+
+def target_probs(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    owner: np.ndarray | None,
+    warped_lse: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> DenseProbs | WarpedLogits:
+    """The warped target distributions of ``logits`` rows (row ``r`` by ``params[owner[r]]``), as
+    ``warped_probs`` computes them: dense where some row filters by top-p, else kept as the logits with one
+    top-k cut-off and one log-normaliser per row (``warped_lse``: an op set's, see ``attention.reference``)."""
+    temperature, top_k, top_p, max_top_k = _warp_columns(params, owner, logits.device)
+    if top_p is not None:
+        return DenseProbs(warp_logits(logits, temperature, top_k, top_p, max_top_k).softmax(dim=-1))
+    cutoff = logits.new_full(logits.shape[:1], float("-inf"), dtype=torch.float32)
+    if top_k is not None and max_top_k > 0:
+        cutoff = top_k_cutoff(logits, temperature, top_k, max_top_k)
+    return WarpedLogits(logits, temperature, cutoff, warped_lse(logits, temperature, cutoff))
 
 
 def sample_tokens(

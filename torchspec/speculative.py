@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from torchspec.sampling import DenseProbs, WarpedLogits
+
 
 def accept_greedy(
     target_tokens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
@@ -28,7 +30,7 @@ def accept_greedy(
 
 
 def accept_sampled(
-    target_probs: torch.Tensor,
+    target: DenseProbs | WarpedLogits,
     target_rows: torch.Tensor,
     drafts: torch.Tensor,
     draft_probs: torch.Tensor,
@@ -39,7 +41,7 @@ def accept_sampled(
     """Rejection sampling for a batch of rounds at once (one random draw per tensor, no host round trip).
 
     Round j's target distributions (after the newest token and after each draft) are rows ``target_rows[j]``
-    (``[J, n + 1]``) of ``target_probs`` (``[R, V]``); its drafts are ``drafts[j]`` (``[J, n]``), drawn from
+    (``[J, n + 1]``) of ``target``; its drafts are ``drafts[j]`` (``[J, n]``), drawn from
     ``draft_probs[draft_rows[j], :n]`` (``draft_probs`` is ``[S, >= n, V]``). Entries past ``num_drafts[j]``
     are padding, never read as distributions. Only what the rule needs is gathered: p and q of each draft, and
     one row of each for the correction, never the rounds' ``[J, n, V]`` distributions (at W1's 256 rounds x 8
@@ -48,23 +50,23 @@ def accept_sampled(
     emits ``drafts[j, :accepted[j]]`` then ``next_token[j]``.
     """
     num_rounds, n = drafts.shape
-    device = target_probs.device
+    device = drafts.device
     if n == 0:  # plain decode steps: a sample from p
-        first = target_probs[target_rows[:, 0]]
+        first = target.rows(target_rows[:, 0])
         return num_drafts.new_zeros(num_rounds), torch.multinomial(first, 1, generator=generator)[:, 0]
     uniforms = torch.rand(num_rounds, n, generator=generator, device=device)
     steps = torch.arange(n, device=device)
-    p = target_probs[target_rows[:, :n], drafts]
+    p = target.at(target_rows[:, :n], drafts)
     q = draft_probs[draft_rows[:, None], steps, drafts]
     # u < p / q without dividing; strict, so p = 0 is never accepted (u can be 0)
     rejected = (steps < num_drafts[:, None]) & ~(uniforms * q < p)
     first_rejected = torch.where(rejected, steps, n).amin(dim=1)
     accepted = first_rejected.minimum(num_drafts)
     rounds = torch.arange(num_rounds, device=device)
-    target = target_probs[target_rows[rounds, accepted]]
+    row_probs = target.rows(target_rows[rounds, accepted])
     rejected_q = draft_probs[draft_rows, accepted.clamp(max=n - 1)]
-    residual = torch.where((accepted < num_drafts)[:, None], target - rejected_q, target).clamp(min=0)
+    residual = torch.where((accepted < num_drafts)[:, None], row_probs - rejected_q, row_probs).clamp(min=0)
     # p == q up to rounding leaves no residual mass: any sample from p is then exact
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, row_probs)
     next_token = torch.multinomial(residual, 1, generator=generator)[:, 0]
     return accepted, next_token

@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from attention import layer_kernels, paged
+from attention import layer_kernels, logits_kernels, paged
 from attention.reference import FirstLists
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -39,6 +39,7 @@ KERNELS = (
     (layer_kernels, "_rms_norm_kernel"),
     (layer_kernels, "_silu_and_mul_kernel"),
     (layer_kernels, "_rotary_store_kernel"),
+    (logits_kernels, "_warped_lse_kernel"),
 )
 
 
@@ -126,6 +127,12 @@ def _layer_ops() -> None:
     layer_kernels.rotary_store_kv(qkv[:, :9], qkv[:, 9:12], qkv[:, 12:], cos, cos, cache, cache, torch.arange(16))
 
 
+def _warped_lse() -> None:
+    """The log-normaliser of a verify's warped rows over SmolLM2's vocabulary, from its bf16 logits."""
+    logits = torch.randn(18, 49152).to(torch.bfloat16)
+    logits_kernels.warped_lse(logits, torch.full((18,), 0.65), torch.zeros(18))
+
+
 SCENARIOS: dict[str, Callable[[], None]] = {
     "smollm2-decode": _split_launch(9, 3, 64, 1, torch.bfloat16),
     "smollm2-verify": _split_launch(9, 3, 64, 9, torch.bfloat16),
@@ -136,6 +143,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "fp32": _split_launch(8, 2, 64, 5, torch.float32),  # exact dots: the test and parity path
     "fused-and-mass": _fused_launch_and_mass,
     "layer-ops": _layer_ops,
+    "warped-lse": _warped_lse,
 }
 
 

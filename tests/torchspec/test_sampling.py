@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from attention import reference
 from torchspec.request import SamplingParams
-from torchspec.sampling import sample_tokens, suppress_stop_tokens, warp_logits
+from torchspec.sampling import (
+    DenseProbs,
+    WarpedLogits,
+    sample_tokens,
+    suppress_stop_tokens,
+    target_probs,
+    warp_logits,
+    warped_probs,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -273,3 +283,40 @@ def test_validate_rejects_out_of_range(kwargs):
 def test_validate_accepts_boundary_values(kwargs):
     """The boundary values of each valid range pass validation."""
     SamplingParams(**kwargs).validate()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_target_probs_without_top_p_are_the_warped_probabilities(dtype):
+    """Verify targets kept as logits (temperature and top-k: one cut-off and log-normaliser per row) give, at any
+    token and as whole rows, the probabilities ``warped_probs`` materialises: ties at the top-k cut-off kept
+    (logits rounded to integers tie by the dozen), rows without top-k, a stop token suppressed to -inf.
+
+    Protects rejection sampling's p after the verify stopped materialising [rows, V] probabilities."""
+    logits = (_random_logits(5, seed=11) * 2).round().to(dtype)
+    logits[2, 3] = float("-inf")
+    params = [
+        SamplingParams(temperature=0.65, top_k=50),
+        SamplingParams(temperature=1.0, top_k=0),
+        SamplingParams(temperature=1.3, top_k=7),
+        SamplingParams(temperature=0.4, top_k=1),
+    ]
+    owner = np.array([0, 1, 2, 3, 0])
+    target = target_probs(logits, params, owner, reference.warped_lse)
+    assert isinstance(target, WarpedLogits)
+    expected = warped_probs(logits, params, owner)
+    rows = torch.arange(5)
+    torch.testing.assert_close(target.rows(rows), expected, rtol=1e-5, atol=1e-7)
+    tokens = torch.randint(0, VOCAB, (5, 40), generator=torch.Generator().manual_seed(3))
+    tokens[:, 0] = logits.float().topk(50, dim=-1).indices[:, -1]  # at the cut-off
+    torch.testing.assert_close(target.at(rows[:, None].expand_as(tokens), tokens), expected.gather(1, tokens))
+    kept = (expected > 0).sum(dim=-1)
+    assert kept[0] > 50 and kept[1] == VOCAB and kept[3] >= 1, kept  # ties beyond top_k, an uncut row
+
+
+def test_target_probs_with_top_p_are_dense():
+    """A row filtered by top-p needs its sorted vocabulary: the targets are the dense warped probabilities."""
+    logits = _random_logits(2, seed=12)
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.9), SamplingParams(temperature=1.0)]
+    target = target_probs(logits, params, None, reference.warped_lse)
+    assert isinstance(target, DenseProbs)
+    torch.testing.assert_close(target.rows(torch.arange(2)), warped_probs(logits, params))

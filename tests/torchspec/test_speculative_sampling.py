@@ -25,6 +25,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
+from torchspec.sampling import DenseProbs
 from torchspec.speculative import accept_greedy, accept_sampled
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -202,7 +203,9 @@ def _accept(
     store = torch.rand(2 * rounds + 1, n + 1, target.shape[-1], generator=torch.Generator().manual_seed(5))
     store[1::2, :n] = draft_probs
     draft_rows = torch.arange(rounds) * 2 + 1
-    return accept_sampled(target.flatten(0, 1), target_rows, drafts, store, draft_rows, num_drafts, generator)
+    return accept_sampled(
+        DenseProbs(target.flatten(0, 1)), target_rows, drafts, store, draft_rows, num_drafts, generator
+    )
 
 
 @pytest.mark.parametrize("name", UNIT_CASES)
@@ -296,7 +299,7 @@ def test_accept_sampled_reads_no_distribution_past_a_rounds_drafts():
     num_drafts = torch.cat([torch.ones(trials, dtype=torch.long), torch.zeros(trials, dtype=torch.long)])
     target_rows = torch.arange(2 * trials)[:, None] * 3 + torch.minimum(torch.arange(3), num_drafts[:, None])
     accepted, next_token = accept_sampled(
-        target.flatten(0, 1), target_rows, drafts, store, torch.arange(2 * trials), num_drafts,
+        DenseProbs(target.flatten(0, 1)), target_rows, drafts, store, torch.arange(2 * trials), num_drafts,
         torch.Generator().manual_seed(3),
     )  # fmt: skip
     assert accepted[:trials].eq(1).all() and accepted[trials:].eq(0).all()
