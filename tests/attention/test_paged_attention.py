@@ -649,9 +649,8 @@ def test_flex_op_set_routes_only_long_shared_queries():
     """``attention_backend="flex"`` sends a call to FlexAttention only for prefill-length queries without draft
     lists; decode, verify and draft calls go to the base kernels."""
     calls = []
-    base = type("Base", (), {})()
+    base = SimpleNamespace(**dict.fromkeys(reference.OP_NAMES))  # every op of the set, unused but the attention
     base.paged_attention = lambda *args, **hints: calls.append("base")
-    base.attention_mass = base.store_kv = base.rms_norm = base.silu_and_mul = base.rotary_store_kv = None
     ops = flex.with_flex_prefill(base)
     batch = _Batch([(100, 120)], 4, NUM_KV_HEADS, 16)
     out, _ = batch.run(ops.paged_attention, *batch.shared_lists(), max_q_len=100, max_kv_len=120)
