@@ -21,9 +21,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from torchspec import engine, sparsespec
-from torchspec.models import load_model
-from torchspec.workloads import reasoning_prompt_ids
+from torchspec import engine
+from torchspec.bench.w1 import SAMPLING, warmed_up
 
 
 def report(prof: profile, wall_ms: float, steps: int) -> None:
@@ -56,11 +55,7 @@ def main() -> None:
     path, new_tokens, draft, windows, span, *rest = sys.argv[1:]
     starts, span = {int(step) for step in windows.split(",")}, int(span)
     options = json.loads(rest[0]) if rest else {}
-    model, tokenizer = load_model(path, dtype=torch.bfloat16, device="cuda")
-    prompts = [list(prompt) for prompt in reasoning_prompt_ids(tokenizer, 256)]
-    wrapped = sparsespec.wrap(model, draft=None if draft == "none" else draft, max_batch_size=256, **options)
-    sampling = {"do_sample": True, "temperature": 0.65}
-    wrapped.generate_batch(prompts, max_new_tokens=16, min_new_tokens=16, **sampling)
+    wrapped, prompts = warmed_up(path, draft, options)
     state = {"steps": 0, "profiler": None}
     commit = engine.Engine._commit
 
@@ -86,7 +81,7 @@ def main() -> None:
     engine.Engine._commit = windowed_commit
     torch.manual_seed(0)
     start = time.perf_counter()
-    wrapped.generate_batch(prompts, max_new_tokens=int(new_tokens), min_new_tokens=int(new_tokens), **sampling)
+    wrapped.generate_batch(prompts, max_new_tokens=int(new_tokens), min_new_tokens=int(new_tokens), **SAMPLING)
     stats = wrapped.last_stats
     print(f"total {time.perf_counter() - start:.1f} s; steps {stats.steps} mean accepted {stats.mean_accepted:.3f}")
 

@@ -23,11 +23,8 @@ import sys
 import time
 from collections.abc import Callable
 
-import torch
-
-from torchspec import engine, runner, scheduler, sparsespec
-from torchspec.models import load_model
-from torchspec.workloads import reasoning_prompt_ids
+from torchspec import engine, runner, scheduler
+from torchspec.bench.w1 import SAMPLING, warmed_up
 
 PHASES = {
     "sched": (scheduler.Scheduler, "schedule"),
@@ -80,11 +77,7 @@ def summary(log: list[dict]) -> None:
 def main() -> None:
     path, new_tokens, draft, out, *rest = sys.argv[1:]
     options = json.loads(rest[0]) if rest else {}
-    model, tokenizer = load_model(path, dtype=torch.bfloat16, device="cuda")
-    prompts = [list(prompt) for prompt in reasoning_prompt_ids(tokenizer, 256)]
-    wrapped = sparsespec.wrap(model, draft=None if draft == "none" else draft, max_batch_size=256, **options)
-    sampling = {"do_sample": True, "temperature": 0.65}
-    wrapped.generate_batch(prompts, max_new_tokens=16, min_new_tokens=16, **sampling)
+    wrapped, prompts = warmed_up(path, draft, options)
     spent: collections.Counter = collections.Counter()
     for key, (owner, name) in PHASES.items():
         timed(owner, name, spent, key)
@@ -110,7 +103,7 @@ def main() -> None:
 
     engine.Engine._commit = logged_commit
     start = time.perf_counter()
-    wrapped.generate_batch(prompts, max_new_tokens=int(new_tokens), min_new_tokens=int(new_tokens), **sampling)
+    wrapped.generate_batch(prompts, max_new_tokens=int(new_tokens), min_new_tokens=int(new_tokens), **SAMPLING)
     print(f"{draft} {options}: {time.perf_counter() - start:.1f} s, steps {len(log)}")
     with open(out, "w") as file:
         json.dump(log, file)
