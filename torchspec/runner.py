@@ -686,14 +686,14 @@ class Runner:
         greedy = np.fromiter((p.greedy for p in params), bool, num_items)
         is_draft = np.fromiter((item.phase is Phase.DRAFT for item in items), bool, num_items)
         sampled_rows = np.flatnonzero(~greedy[owner] & ~is_draft[owner])
-        prob_index = np.full(owner.size, -1, dtype=np.int64)  # each sampled row's row in ``probs``
-        prob_index[sampled_rows] = np.arange(sampled_rows.size)
-        probs = None
+        target_index = np.full(owner.size, -1, dtype=np.int64)  # each sampled row's distribution in ``targets``
+        target_index[sampled_rows] = np.arange(sampled_rows.size)
+        targets = None
         if sampled_rows.size:
             # A verify forward of sampled rounds samples every row: read in place, not gathered (W1: 226 MB).
             every = sampled_rows.size == owner.size
             target_logits = logits if every else logits[row_index(sampled_rows.tolist(), self.device)]
-            probs = target_probs(target_logits, params, owner[sampled_rows], self.ops.warped_lse)
+            targets = target_probs(target_logits, params, owner[sampled_rows], self.ops.warped_lse)
         # Greedy rows take the argmax (a pass over the logits: 226 MB for W1's verify); sampled rows never read it.
         tokens = logits.argmax(dim=-1) if greedy.any() else logits.new_zeros(logits.shape[0], dtype=torch.int64)
         drafts = np.flatnonzero(is_draft)
@@ -705,7 +705,7 @@ class Runner:
         accepted, next_token = None, None
         if emitting:
             accepted, next_token = self._accept(
-                [(i, items[i], first_row[i]) for i in emitting], greedy, tokens, probs, prob_index, drafted
+                [(i, items[i], first_row[i]) for i in emitting], greedy, tokens, targets, target_index, drafted
             )
         return _Picks(
             tokens=tokens,
@@ -757,8 +757,8 @@ class Runner:
         emitting: list[tuple[int, ScheduledRequest, int]],
         greedy: np.ndarray,
         tokens: torch.Tensor,
-        probs: DenseProbs | WarpedLogits | None,
-        prob_index: np.ndarray,
+        targets: DenseProbs | WarpedLogits | None,
+        target_index: np.ndarray,
         drafted: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Accepted drafts and next token of every verify (and final prompt chunk) of a forward, on the device:
@@ -788,7 +788,7 @@ class Runner:
                 picked = accept_greedy(tokens[first_rows[at, None] + steps[at]], drafts[at], num_drafts[at])
             else:
                 sampled = [emitting[m] for m in members.tolist()]
-                picked = self._accept_sampled(sampled, probs, prob_index, drafts[at], num_drafts[at], steps[at])
+                picked = self._accept_sampled(sampled, targets, target_index, drafts[at], num_drafts[at], steps[at])
             if whole:
                 return picked
             accepted[at], next_token[at] = picked
@@ -797,8 +797,8 @@ class Runner:
     def _accept_sampled(
         self,
         verifies: list[tuple[int, ScheduledRequest, int]],
-        probs: DenseProbs | WarpedLogits,
-        prob_index: np.ndarray,
+        targets: DenseProbs | WarpedLogits,
+        target_index: np.ndarray,
         drafts: torch.Tensor,
         num_drafts: torch.Tensor,
         steps: torch.Tensor,
@@ -808,20 +808,20 @@ class Runner:
         distributions come from the draft-probs store (written by their draft steps); proposed drafts (n-gram)
         count as point masses."""
         n = drafts.shape[1]
-        # A verify's rows are consecutive, all sampled (one request's parameters): so are their probs rows.
-        target_rows = self._tensor(prob_index[[row for _, _, row in verifies]])[:, None] + steps
+        # A verify's rows are consecutive, all sampled (one request's parameters): so are its ``targets`` rows.
+        target_rows = self._tensor(target_index[[row for _, _, row in verifies]])[:, None] + steps
         # Proposed drafts (and rounds without drafts) as point masses, one row per verify; sampled drafts' rows
         # are the store's, read where the draft steps wrote them (entries past a round's drafts are padding).
         draft_rows = torch.arange(len(verifies), device=self.device)
         if (self.policy is not None and self.policy.proposes_tokens) or not n:
-            draft_probs = torch.zeros(len(verifies), n, probs.vocab_size, dtype=torch.float32, device=self.device)
+            draft_probs = torch.zeros(len(verifies), n, targets.vocab_size, dtype=torch.float32, device=self.device)
             drafted = (steps[:, :n] < num_drafts[:, None]).to(draft_probs.dtype)
             draft_probs.scatter_(2, drafts[..., None], drafted[..., None])
         else:
             rows = [self.table.row(item.request) for _, item, _ in verifies]
-            self.draft_probs.reserve(max(rows) + 1, probs.vocab_size)
+            self.draft_probs.reserve(max(rows) + 1, targets.vocab_size)
             draft_probs, draft_rows = self.draft_probs.probs, self._tensor(rows)
-        return accept_sampled(probs, target_rows, drafts, draft_probs, draft_rows, num_drafts, self.generator)
+        return accept_sampled(targets, target_rows, drafts, draft_probs, draft_rows, num_drafts, self.generator)
 
 
 class _Readback:
