@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from attention import layer_kernels, logits_kernels, paged
+from attention import layer_kernels, logits_kernels, paged, select_kernels
 from attention.reference import OP_NAMES, FirstLists
 from attention.reference import store_kv as store_kv  # a plain index copy: no kernel of its own
 
@@ -185,3 +185,14 @@ def warped_lse(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Te
 @warped_lse.register_fake
 def _(logits, temperature, cutoff):
     return logits.new_empty(logits.shape[:1], dtype=torch.float32)
+
+
+@torch.library.custom_op("torchspec::top_k_positions", mutates_args=())
+def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """See :func:`attention.reference.top_k_positions`."""
+    return select_kernels.top_k_positions(values, k, max_k)
+
+
+@top_k_positions.register_fake
+def _(values, k, max_k):
+    return values.new_empty(*values.shape[:-1], max_k, dtype=torch.int32)

@@ -34,6 +34,7 @@ OP_NAMES = (
     "silu_and_mul",
     "rotary_store_kv",
     "warped_lse",
+    "top_k_positions",
 )
 #: The verify mass PillarAttn ranks: fp16 keeps ~3 significant digits of each probability (a Top-K of
 #: averaged probabilities needs no more; below 6e-8 a mass becomes 0), and a 16-bit Top-K takes two radix passes
@@ -266,3 +267,25 @@ def warped_lse(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Te
     distribution, whose probabilities are then ``exp(scaled - lse)`` on the kept entries."""
     scaled = logits / temperature[:, None].float()
     return scaled.masked_fill(scaled < cutoff[:, None], float("-inf")).logsumexp(dim=-1)
+
+
+def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """``[..., max_k]`` int32: the positions of the ``k`` largest entries of each row of ``values`` (``[..., W]``,
+    any float dtype; ``k`` broadcast to its leading dimensions, clamped to ``[0, min(max_k, W)]``) in ascending
+    order, after ``max_k - k`` entries of -1. Among entries equal to the k-th largest, the lowest positions are
+    taken; -0.0 equals 0.0. The k-th largest value of a row is then the least of its picks."""
+    width = values.shape[-1]
+    counts = k.expand(values.shape[:-1]).clamp(0, min(max_k, width))[..., None]
+    out = torch.full((*values.shape[:-1], max_k + 1), -1, dtype=torch.int32, device=values.device)
+    if values.numel() == 0 or max_k == 0:
+        return out[..., :max_k]
+    largest = values.topk(min(max_k, width), dim=-1).values
+    kth = largest.gather(-1, (counts - 1).clamp(min=0))
+    above = values > kth
+    ties = values == kth
+    room = counts - above.sum(dim=-1, keepdim=True)
+    chosen = (above | (ties & (ties.cumsum(dim=-1) <= room))) & (counts > 0)
+    # Each pick's place: after the padding, in position order; the rest go to a spare column, then dropped.
+    slot = torch.where(chosen, max_k - counts + chosen.cumsum(dim=-1) - 1, max_k)
+    out.scatter_(-1, slot, torch.arange(width, dtype=torch.int32, device=values.device).expand_as(values))
+    return out[..., :max_k]

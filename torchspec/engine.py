@@ -106,7 +106,8 @@ class Engine:
         text_config = model.config.get_text_config()
         self.context_length: int | None = getattr(text_config, "max_position_embeddings", None)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.policy = make_policy(config, layers)
+        ops = attention.load_ops(config.attention_backend, self.device)
+        self.policy = make_policy(config, layers, ops)
         self.num_draft_slots = k = config.k if self.policy is not None else 0
         self.max_step_tokens = config.max_step_tokens or max(DEFAULT_STEP_TOKENS, config.max_batch_size * (k + 1))
         capacity = config.kv_capacity_tokens or auto_capacity_tokens(
@@ -117,7 +118,6 @@ class Engine:
             host_ceiling_tokens=config.max_batch_size * (self.context_length or 32768),
         )
         self.pool = KVPool(layers, capacity, self.dtype, self.device)
-        ops = attention.load_ops(config.attention_backend, self.device)
         self.fused_layers = FusedLayers(model, layers, ops) if config.fuse_layers is not False else None
         self.runner = Runner(
             model,

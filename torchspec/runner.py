@@ -693,7 +693,7 @@ class Runner:
             # A verify forward of sampled rounds samples every row: read in place, not gathered (W1: 226 MB).
             every = sampled_rows.size == owner.size
             target_logits = logits if every else logits[row_index(sampled_rows.tolist(), self.device)]
-            targets = target_probs(target_logits, params, owner[sampled_rows], self.ops.warped_lse)
+            targets = target_probs(target_logits, params, owner[sampled_rows], self.ops)
         # Greedy rows take the argmax (a pass over the logits: 226 MB for W1's verify); sampled rows never read it.
         tokens = logits.argmax(dim=-1) if greedy.any() else logits.new_zeros(logits.shape[0], dtype=torch.int64)
         drafts = np.flatnonzero(is_draft)

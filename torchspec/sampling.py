@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
 
 from torchspec.request import SamplingParams
 from torchspec.transfer import row_index, to_device
+
+#: An op set's ``top_k_positions`` (see ``attention.reference``): the positions of each row's k largest entries.
+TopK = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def suppress_stop_tokens(
@@ -44,15 +48,21 @@ def top_k_cutoff(
     top_k: torch.Tensor,
     max_top_k: int,
     sorted_descending: bool = False,
+    select: TopK | None = None,
 ) -> torch.Tensor:
     """``[R]`` fp32: each row's top-k cut-off in scaled units, its k-th largest logit over its temperature
     (transformers keeps every scaled logit at or above it, ties included), -inf where ``top_k`` is 0. The k-th
-    largest comes from one ``topk`` of width ``max_top_k`` (see ``warp_logits``)."""
+    largest comes from one Top-K of width ``max_top_k`` (see ``warp_logits``): ``torch.topk``'s values, or with
+    ``select`` (an op set's ``top_k_positions``, a kernel on the GPU) the least of the row's picks."""
     width = min(max_top_k, logits.shape[-1])
     k = top_k.clamp(max=width)
-    largest = logits if sorted_descending else logits.topk(width, dim=-1).values  # descending
-    kth_largest = largest.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0] / temperature
-    return torch.where(k > 0, kth_largest, float("-inf"))  # top_k = 0: nothing filtered
+    if sorted_descending or select is None:
+        largest = logits if sorted_descending else logits.topk(width, dim=-1).values  # descending
+        kth_largest = largest.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0]
+    else:
+        picks = select(logits, k, width).long()
+        kth_largest = logits.gather(1, picks.clamp(min=0)).masked_fill(picks < 0, float("inf")).amin(dim=-1)
+    return torch.where(k > 0, kth_largest / temperature, float("-inf"))  # top_k = 0: nothing filtered
 
 
 def warp_logits(
@@ -62,6 +72,7 @@ def warp_logits(
     top_p: torch.Tensor | None,
     max_top_k: int,
     sorted_descending: bool = False,
+    select: TopK | None = None,
 ) -> torch.Tensor:
     """Per-row temperature, top-k (0 = off) and top-p, exactly as transformers' warpers compute them.
 
@@ -73,16 +84,16 @@ def warp_logits(
     ``top_p == 1`` skip top-p entirely, as in transformers. ``None`` skips a filter for every row (no full
     sort of the vocabulary for it: the common case, and two sorts of ``[256, V]`` cost more than the forward
     of a small model). ``max_top_k``: at least every row's top_k (0: none filters), known on the host, so each
-    row's threshold (its k-th largest logit, transformers' cut-off) comes from one ``topk`` of that width
-    instead of a sort of the vocabulary (transformers' default top_k=50 against a 49K vocabulary). The ``topk``
-    reads the logits as given, before the temperature: dividing by a positive temperature keeps the order, so
-    the k-th largest scaled logit is the scaled k-th largest, and a bf16 ``topk`` takes half the radix passes
-    of an fp32 one. ``sorted_descending``: the rows are in descending order already (the values of a vocabulary
-    top-k, as a draft warps over its support), so that ``topk`` is not needed.
+    row's threshold (its k-th largest logit, transformers' cut-off) comes from one Top-K of that width
+    (``select``: see ``top_k_cutoff``) instead of a sort of the vocabulary (transformers' default top_k=50 against a 49K
+    vocabulary). The Top-K reads the logits as given, before the temperature: dividing by a positive temperature
+    keeps the order, so the k-th largest scaled logit is the scaled k-th largest, and a 16-bit search takes half
+    the steps of an fp32 one. ``sorted_descending``: the rows are in descending order already (the values of a
+    vocabulary top-k, as a draft warps over its support), so that Top-K is not needed.
     """
     scaled = logits / temperature[:, None]
     if top_k is not None and max_top_k > 0:
-        cutoff = top_k_cutoff(logits, temperature, top_k, max_top_k, sorted_descending)
+        cutoff = top_k_cutoff(logits, temperature, top_k, max_top_k, sorted_descending, select)
         scaled = scaled.masked_fill(scaled < cutoff[:, None], float("-inf"))
     if top_p is None:
         return scaled
@@ -168,21 +179,20 @@ class WarpedLogits:
 
 
 def target_probs(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    owner: np.ndarray | None,
-    warped_lse: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    logits: torch.Tensor, params: Sequence[SamplingParams], owner: np.ndarray | None, ops: ModuleType
 ) -> DenseProbs | WarpedLogits:
     """The warped target distributions of ``logits`` rows (row ``r`` by ``params[owner[r]]``), as
     ``warped_probs`` computes them: dense where some row filters by top-p, else kept as the logits with one
-    top-k cut-off and one log-normaliser per row (``warped_lse``: an op set's, see ``attention.reference``)."""
+    top-k cut-off and one log-normaliser per row (``ops``: the op set whose ``top_k_positions`` and
+    ``warped_lse`` compute them, see ``attention.reference``)."""
     temperature, top_k, top_p, max_top_k = _warp_columns(params, owner, logits.device)
     if top_p is not None:
-        return DenseProbs(warp_logits(logits, temperature, top_k, top_p, max_top_k).softmax(dim=-1))
+        warped = warp_logits(logits, temperature, top_k, top_p, max_top_k, select=ops.top_k_positions)
+        return DenseProbs(warped.softmax(dim=-1))
     cutoff = logits.new_full(logits.shape[:1], float("-inf"), dtype=torch.float32)
     if top_k is not None and max_top_k > 0:
-        cutoff = top_k_cutoff(logits, temperature, top_k, max_top_k)
-    return WarpedLogits(logits, temperature, cutoff, warped_lse(logits, temperature, cutoff))
+        cutoff = top_k_cutoff(logits, temperature, top_k, max_top_k, select=ops.top_k_positions)
+    return WarpedLogits(logits, temperature, cutoff, ops.warped_lse(logits, temperature, cutoff))
 
 
 def sample_tokens(

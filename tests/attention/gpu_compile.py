@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from attention import layer_kernels, logits_kernels, paged
+from attention import layer_kernels, logits_kernels, paged, select_kernels
 from attention.reference import FirstLists
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -40,6 +40,7 @@ KERNELS = (
     (layer_kernels, "_silu_and_mul_kernel"),
     (layer_kernels, "_rotary_store_kernel"),
     (logits_kernels, "_warped_lse_kernel"),
+    (select_kernels, "_top_k_kernel"),
 )
 
 
@@ -133,6 +134,14 @@ def _warped_lse() -> None:
     logits_kernels.warped_lse(logits, torch.full((18,), 0.65), torch.zeros(18))
 
 
+def _top_k() -> None:
+    """A verify's top-50 cut-off over SmolLM2's vocabulary (long rows, bf16) and PillarAttn's picks over fp16
+    masses (rows in registers) and fp32 ones."""
+    select_kernels.top_k_positions(torch.randn(18, 49152).to(torch.bfloat16), torch.full((18,), 50), 50)
+    select_kernels.top_k_positions(torch.rand(2, 3, 4, 900).half(), torch.tensor([30, 0, 45, 12]), 45)
+    select_kernels.top_k_positions(torch.rand(4, 3000), torch.tensor([30, 0, 45, 12]), 45)
+
+
 SCENARIOS: dict[str, Callable[[], None]] = {
     "smollm2-decode": _split_launch(9, 3, 64, 1, torch.bfloat16),
     "smollm2-verify": _split_launch(9, 3, 64, 9, torch.bfloat16),
@@ -144,6 +153,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "fused-and-mass": _fused_launch_and_mass,
     "layer-ops": _layer_ops,
     "warped-lse": _warped_lse,
+    "top-k": _top_k,
 }
 
 

@@ -301,7 +301,7 @@ def test_target_probs_without_top_p_are_the_warped_probabilities(dtype):
         SamplingParams(temperature=0.4, top_k=1),
     ]
     owner = np.array([0, 1, 2, 3, 0])
-    target = target_probs(logits, params, owner, reference.warped_lse)
+    target = target_probs(logits, params, owner, reference)
     assert isinstance(target, WarpedLogits)
     expected = warped_probs(logits, params, owner)
     rows = torch.arange(5)
@@ -317,6 +317,6 @@ def test_target_probs_with_top_p_are_dense():
     """A row filtered by top-p needs its sorted vocabulary: the targets are the dense warped probabilities."""
     logits = _random_logits(2, seed=12)
     params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.9), SamplingParams(temperature=1.0)]
-    target = target_probs(logits, params, None, reference.warped_lse)
+    target = target_probs(logits, params, None, reference)
     assert isinstance(target, DenseProbs)
     torch.testing.assert_close(target.rows(torch.arange(2)), warped_probs(logits, params))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType, SimpleNamespace
 
 from torchspec.config import SpecConfig
 from torchspec.drafting.base import DraftPolicy
@@ -31,9 +32,15 @@ POLICIES: dict[str, type[DraftPolicy]] = {
 }
 
 
-def make_policy(config: SpecConfig, layers: Sequence[LayerSpec]) -> DraftPolicy | None:
-    """The policy ``config.draft`` names, or None for plain decoding."""
-    return None if config.draft is None else POLICIES[config.draft](config, layers)
+def make_policy(
+    config: SpecConfig, layers: Sequence[LayerSpec], ops: ModuleType | SimpleNamespace
+) -> DraftPolicy | None:
+    """The policy ``config.draft`` names, its device work on ``ops`` (an op set), or None for plain decoding."""
+    if config.draft is None:
+        return None
+    policy = POLICIES[config.draft](config, layers)
+    policy.ops = ops
+    return policy
 
 
 __all__ = ["POLICIES", "DraftPolicy", "make_policy"]

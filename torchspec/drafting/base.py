@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import ModuleType, SimpleNamespace
 from typing import ClassVar
 
 import torch
 
+import attention
 from torchspec.config import SpecConfig
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
@@ -37,6 +39,8 @@ class DraftPolicy:
 
     def __init__(self, config: SpecConfig, layers: Sequence[LayerSpec]) -> None:
         self.config = config
+        #: The op set the policy's device work runs on (``make_policy`` gives it the engine's).
+        self.ops: ModuleType | SimpleNamespace = attention.reference
         #: Layers whose draft steps attend sparsely: the full-attention ones (sliding windows stay as they are).
         self.sparse_layers = [layer.layer_idx for layer in layers if layer.sliding_window is None]
         self.num_kv_heads = max((layer.num_kv_heads for layer in layers), default=1)

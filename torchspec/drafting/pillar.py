@@ -110,11 +110,9 @@ class PillarPolicy(DraftPolicy):
         # of the step learns), else one gather; then the non-candidates masked.
         scores = mass[:, :, row_index(list(rows), device), : positions.shape[0]]  # [layers, Hkv, J, width]
         scores = scores.masked_fill(~candidate, float("-inf"))
-        ranks = torch.arange(max(counts), device=device)
-        # int32 positions: the successor expansion's sort of 23,040 rows (W1) then takes half the radix passes.
-        picks = scores.topk(max(counts), dim=-1).indices.int().permute(2, 0, 1, 3)  # [J, layers, Hkv, max count]
-        picks = torch.where(ranks < count[:, :, None, None], picks, -1)
-        patterns = _expand_successors(picks, span, old[:, :, None, None])  # -1 padding sorts first
+        # [J, layers, Hkv, max count]: each row's picks in ascending order after its -1 padding, a pattern already.
+        picks = self.ops.top_k_positions(scores, count[:, 0], max(counts)).permute(2, 0, 1, 3)
+        patterns = picks if span == 1 else _expand_successors(picks, span, old[:, :, None, None])
         # Each request's rows trimmed to its own Top-K: one slice and one unbind per distinct width (a batch's
         # requests share a few), not a view per request (256 of a round's ~640 host ops at batch 256).
         trimmed: dict[int, tuple[torch.Tensor, ...]] = {}

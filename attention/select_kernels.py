@@ -1,0 +1,180 @@
+"""Triton kernel: the positions of each row's k largest values, in ascending order.
+
+Three Top-Ks run in every round: the vocabulary's top-k cut-off of the verify's rows, the top-k support each draft
+samples over, and PillarAttn's pick of the most attended positions. ``torch.topk`` (then a sort of the picks) costs
+the H200 ~0.9 ms for the verify's 2,304 x 49,152 logits and ~1.9 ms for PillarAttn's 23,040 rows at 4.2K context.
+
+Values map to unsigned keys that order as the values do; the k-th largest key comes from a binary search over its
+bits, each step one count of the keys at or above a candidate. A row that fits one block is searched in registers.
+A longer row is read once for the maxima of its lanes: the k-th largest of those is a lower bound on the row's, and
+the few entries at or above it are gathered (one more read) and searched; a row with too many of them (ties, a
+flat row) is searched over its whole length, one read per bit. Then the positions of the keys above the k-th
+largest and of the ties it still needs, lowest first, are written in one scan: already in ascending order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Row entries per iteration of a row's loops, and the widest row searched in registers alone. On the H200, 1,024
+# with 4 warps took W1's verify cut-off from 0.57 ms (4,096 with 8 warps) to 0.46, and PillarAttn's picks at 4.2K
+# context from 3.3 ms (8,192-wide rows in registers) to 0.8: many small programs hide the serial reductions of a
+# binary search better than a few wide ones (benchmarks/select_micro.py).
+BLOCK = 1024
+CANDIDATES = 4  # a long row gathers room for this many times max_k entries at or above its bound
+
+
+@triton.jit
+def _keys(values, valid, KEY_BITS: tl.constexpr):
+    """Unsigned keys that order as ``values`` do (-0.0 taken as 0.0); 0 where not ``valid``, below any value."""
+    if KEY_BITS == 16:
+        bits = values.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bits = tl.where(bits == 0x8000, 0, bits)
+        keys = tl.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000).to(tl.uint32)
+    else:
+        bits = values.to(tl.uint32, bitcast=True)
+        bits = tl.where(bits == 0x80000000, 0, bits)
+        keys = tl.where(bits >= 0x80000000, ~bits, bits | 0x80000000)
+    return tl.where(valid, keys, 0)
+
+
+@triton.jit
+def _load_keys(Values, row_offset, cols, width, KEY_BITS: tl.constexpr):
+    in_row = cols < width
+    values = tl.load(Values + row_offset + cols, mask=in_row, other=0.0)
+    return _keys(values, in_row, KEY_BITS), in_row
+
+
+@triton.jit
+def _kth_largest(keys, k, KEY_BITS: tl.constexpr):
+    """The largest key ``t`` with at least ``k`` of ``keys`` at or above it (all ones for k = 0)."""
+    kth = tl.zeros([], tl.uint32)
+    one = tl.full([], 1, tl.uint32)
+    for bit in tl.static_range(KEY_BITS):
+        candidate = kth | (one << (KEY_BITS - 1 - bit))
+        count = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+        kth = tl.where(count >= k, candidate, kth)
+    return kth
+
+
+@triton.jit
+def _write_chosen(Out, out_offset, pad, keys, positions, valid, kth, remaining, taken, ties):
+    """Store the positions of the keys above ``kth`` and of the ties to it while ``remaining`` allow (in the order
+    given: ascending), after ``pad + taken`` entries of the row; returns the updated counts."""
+    tie = valid & (keys == kth)
+    tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+    chosen = (valid & (keys > kth)) | (tie & (tie_rank < remaining))
+    slot = pad + taken + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    tl.store(Out + out_offset + slot, positions.to(Out.dtype.element_ty), mask=chosen)
+    return taken + tl.sum(chosen.to(tl.int32), axis=0), ties + tl.sum(tie.to(tl.int32), axis=0)
+
+
+@triton.jit(do_not_specialize=["stride_row", "stride_out", "width", "max_k"])  # one variant per layout
+def _top_k_kernel(
+    Values,
+    K,
+    Out,
+    Gathered,
+    stride_row,
+    stride_out,
+    width,
+    max_k,
+    KEY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FITS: tl.constexpr,
+    CAP: tl.constexpr,
+):
+    """One row: ``max_k - k`` entries of -1, then the positions of its ``k`` largest values in ascending order
+    (ties to the k-th largest: the lowest positions)."""
+    row = tl.program_id(0)
+    k = tl.load(K + row).to(tl.int32)
+    row_offset = row.to(tl.int64) * stride_row
+    out_offset = row.to(tl.int64) * stride_out
+    offs = tl.arange(0, BLOCK)
+    pad = max_k - k
+    for start in range(0, pad, BLOCK):
+        tl.store(Out + out_offset + start + offs, -1, mask=start + offs < pad)
+    zero = tl.zeros([], tl.int32)
+    if FITS:
+        keys, in_row = _load_keys(Values, row_offset, offs, width, KEY_BITS)
+        kth = _kth_largest(keys, k, KEY_BITS)
+        above = tl.sum((keys > kth).to(tl.int32), axis=0)
+        _write_chosen(Out, out_offset, pad, keys, offs, in_row, kth, k - above, zero, zero)
+    else:
+        lane_max = tl.zeros([BLOCK], tl.uint32)
+        for start in range(0, width, BLOCK):
+            keys, _ = _load_keys(Values, row_offset, start + offs, width, KEY_BITS)
+            lane_max = tl.maximum(lane_max, keys)
+        bound = _kth_largest(lane_max, k, KEY_BITS)  # lane maxima are row entries: at most the row's k-th largest
+        gathered_offset = row.to(tl.int64) * CAP
+        count = zero
+        for start in range(0, width, BLOCK):
+            keys, in_row = _load_keys(Values, row_offset, start + offs, width, KEY_BITS)
+            candidate = in_row & (keys >= bound)
+            slot = count + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
+            tl.store(Gathered + gathered_offset + slot, start + offs, mask=candidate & (slot < CAP))
+            count += tl.sum(candidate.to(tl.int32), axis=0)
+        if count <= CAP:
+            index = tl.arange(0, CAP)
+            valid = index < count
+            positions = tl.load(Gathered + gathered_offset + index, mask=valid, other=0)
+            keys = _keys(tl.load(Values + row_offset + positions, mask=valid, other=0.0), valid, KEY_BITS)
+            kth = _kth_largest(keys, k, KEY_BITS)
+            above = tl.sum((keys > kth).to(tl.int32), axis=0)
+            _write_chosen(Out, out_offset, pad, keys, positions, valid, kth, k - above, zero, zero)
+        else:  # too many entries at the bound: search the whole row, one read per bit
+            kth = tl.zeros([], tl.uint32)
+            one = tl.full([], 1, tl.uint32)
+            for bit in tl.static_range(KEY_BITS):
+                probe = kth | (one << (KEY_BITS - 1 - bit))
+                at_or_above = zero
+                for start in range(0, width, BLOCK):
+                    keys, _ = _load_keys(Values, row_offset, start + offs, width, KEY_BITS)
+                    at_or_above += tl.sum((keys >= probe).to(tl.int32), axis=0)
+                kth = tl.where(at_or_above >= k, probe, kth)
+            above = zero
+            for start in range(0, width, BLOCK):
+                keys, _ = _load_keys(Values, row_offset, start + offs, width, KEY_BITS)
+                above += tl.sum((keys > kth).to(tl.int32), axis=0)
+            taken, ties = zero, zero
+            for start in range(0, width, BLOCK):
+                keys, in_row = _load_keys(Values, row_offset, start + offs, width, KEY_BITS)
+                taken, ties = _write_chosen(
+                    Out, out_offset, pad, keys, start + offs, in_row, kth, k - above, taken, ties
+                )
+
+
+def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """See :func:`attention.reference.top_k_positions`."""
+    *lead, width = values.shape
+    if values.stride(-1) != 1:
+        values = values.contiguous()
+    flat = values.reshape(-1, width)
+    rows = flat.shape[0]
+    counts = k.expand(lead).reshape(-1).clamp(0, min(max_k, width)).contiguous()
+    out = torch.empty(rows, max_k, dtype=torch.int32, device=values.device)
+    if rows == 0 or max_k == 0:
+        return out.view(*lead, max_k)
+    # One block size for every width and k below BLOCK / 2 (each other size compiles a variant, ~1 s mid-run).
+    block = max(BLOCK, 2 * triton.next_power_of_2(max_k))  # lanes: twice the picks, a tight bound from their maxima
+    fits = width <= block
+    cap = block // 4 if CANDIDATES * max_k <= block // 4 else block  # room for the candidates, in two sizes
+    gathered = torch.empty(0 if fits else rows * cap, dtype=torch.int32, device=values.device)
+    _top_k_kernel[(rows,)](
+        flat,
+        counts,
+        out,
+        gathered,
+        flat.stride(0),
+        out.stride(0),
+        width,
+        max_k,
+        KEY_BITS=8 * values.element_size(),
+        BLOCK=block,
+        FITS=fits,
+        CAP=cap,
+        num_warps=max(1, min(4, block // 256)),
+    )
+    return out.view(*lead, max_k)

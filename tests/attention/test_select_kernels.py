@@ -1,0 +1,71 @@
+"""The Top-K kernel against its reference, and the reference against its definition. Without CUDA the kernel runs
+in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention import reference, select_kernels
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _by_definition(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Each row sorted by value, largest first, equal values lowest position first; the first k positions in
+    ascending order after ``max_k - k`` entries of -1."""
+    rows = []
+    counts = k.expand(values.shape[:-1]).flatten().tolist()
+    for row, count in zip(values.reshape(-1, values.shape[-1]).tolist(), counts, strict=True):
+        count = min(count, max_k, len(row))
+        order = sorted(range(len(row)), key=lambda i: (-row[i], i))
+        rows.append([-1] * (max_k - count) + sorted(order[:count]))
+    return torch.tensor(rows, dtype=torch.int32).view(*values.shape[:-1], max_k)
+
+
+def _rows(dtype: torch.dtype, width: int) -> torch.Tensor:
+    """Six rows: ties (integers on a coarse grid), a -inf run, a flat row, -0.0 next to 0.0, and plain noise."""
+    torch.manual_seed(6)
+    values = (torch.randn(6, width) * 4).round()
+    values[1, : width // 3] = float("-inf")
+    values[2] = 0.5  # every entry ties
+    values[3, ::2] = -0.0
+    values[3, 1::2] = 0.0
+    values[5] = torch.randn(width)
+    return values.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [300, 3000])  # a row in registers; a long row (lane maxima, gathered candidates)
+def test_kernel_matches_reference(dtype, width):
+    """Every row's k (0, 1, the full max_k, values between) and a max_k beyond some rows' k; leading dimensions
+    with k broadcast over them, as PillarAttn passes its per-request counts."""
+    values = _rows(dtype, width)
+    k = torch.tensor([40, 3, 17, 40, 0, 1])
+    expected = reference.top_k_positions(values, k, 40)
+    actual = select_kernels.top_k_positions(values.to(DEVICE), k.to(DEVICE), 40)
+    assert torch.equal(actual.cpu(), expected)
+    stacked = values.view(2, 3, width)
+    expected = reference.top_k_positions(stacked, k[:3], 24)
+    actual = select_kernels.top_k_positions(stacked.to(DEVICE), k[:3].to(DEVICE), 24)
+    assert torch.equal(actual.cpu(), expected)
+
+
+def test_kernel_gathers_past_its_candidates():
+    """A long row whose lane maxima bound admits more entries than the candidates hold (many ties just below the
+    k-th largest) takes the whole-row search: same picks."""
+    values = torch.zeros(2, 5000)
+    values[0, ::7] = 1.0  # 715 entries tie at the largest value: k = 30 of them
+    values[1, 4000:] = torch.arange(1000.0)
+    k = torch.tensor([30, 30])
+    expected = reference.top_k_positions(values, k, 30)
+    assert torch.equal(select_kernels.top_k_positions(values.to(DEVICE), k.to(DEVICE), 30).cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reference_is_the_definition(dtype):
+    values = _rows(dtype, 60)
+    k = torch.tensor([12, 3, 12, 7, 0, 60])
+    assert torch.equal(reference.top_k_positions(values, k, 12), _by_definition(values, k, 12))
