@@ -71,14 +71,14 @@ def _write_chosen(Out, out_offset, pad, keys, positions, valid, kth, remaining, 
     return taken + tl.sum(chosen.to(tl.int32), axis=0), ties + tl.sum(tie.to(tl.int32), axis=0)
 
 
-@triton.jit(do_not_specialize=["stride_row", "stride_out", "width", "max_k"])  # one variant per layout
+@triton.jit(do_not_specialize=["k_period", "stride_k", "width", "max_k"])  # one variant per layout
 def _top_k_kernel(
     Values,
     K,
     Out,
     Gathered,
-    stride_row,
-    stride_out,
+    k_period,
+    stride_k,
     width,
     max_k,
     KEY_BITS: tl.constexpr,
@@ -87,11 +87,13 @@ def _top_k_kernel(
     CAP: tl.constexpr,
 ):
     """One row: ``max_k - k`` entries of -1, then the positions of its ``k`` largest values in ascending order
-    (ties to the k-th largest: the lowest positions)."""
+    (ties to the k-th largest: the lowest positions). Rows are ``width`` apart, their picks ``max_k``; row ``r``
+    takes ``K[r % k_period]`` (k broadcast over the leading dimensions), clamped to ``[0, min(max_k, width)]``."""
     row = tl.program_id(0)
-    k = tl.load(K + row).to(tl.int32)
-    row_offset = row.to(tl.int64) * stride_row
-    out_offset = row.to(tl.int64) * stride_out
+    k = tl.load(K + (row % k_period) * stride_k).to(tl.int32)
+    k = tl.minimum(tl.maximum(k, 0), tl.minimum(max_k, width))
+    row_offset = row.to(tl.int64) * width
+    out_offset = row.to(tl.int64) * max_k
     offs = tl.arange(0, BLOCK)
     pad = max_k - k
     for start in range(0, pad, BLOCK):
@@ -149,26 +151,25 @@ def _top_k_kernel(
 def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
     """See :func:`attention.reference.top_k_positions`."""
     *lead, width = values.shape
-    if values.stride(-1) != 1:
-        values = values.contiguous()
-    flat = values.reshape(-1, width)
-    rows = flat.shape[0]
-    counts = k.expand(lead).reshape(-1).clamp(0, min(max_k, width)).contiguous()
-    out = torch.empty(rows, max_k, dtype=torch.int32, device=values.device)
+    values = values.contiguous()  # no op when it is: rows ``width`` apart
+    rows = values.numel() // max(width, 1)
+    # k broadcast over the leading dimensions: a vector over the last one (or all of them) is read as it is.
+    counts = k if k.dim() <= 1 else k.expand(lead).reshape(-1)
+    out = torch.empty(*lead, max_k, dtype=torch.int32, device=values.device)
     if rows == 0 or max_k == 0:
-        return out.view(*lead, max_k)
+        return out
     # One block size for every width and k below BLOCK / 2 (each other size compiles a variant, ~1 s mid-run).
     block = max(BLOCK, 2 * triton.next_power_of_2(max_k))  # lanes: twice the picks, a tight bound from their maxima
     fits = width <= block
     cap = block // 4 if CANDIDATES * max_k <= block // 4 else block  # room for the candidates, in two sizes
     gathered = torch.empty(0 if fits else rows * cap, dtype=torch.int32, device=values.device)
     _top_k_kernel[(rows,)](
-        flat,
+        values,
         counts,
         out,
         gathered,
-        flat.stride(0),
-        out.stride(0),
+        counts.numel(),
+        counts.stride(0) if counts.dim() else 0,
         width,
         max_k,
         KEY_BITS=8 * values.element_size(),
@@ -177,4 +178,4 @@ def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.
         CAP=cap,
         num_warps=max(1, min(4, block // 256)),
     )
-    return out.view(*lead, max_k)
+    return out

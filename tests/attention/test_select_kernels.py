@@ -41,15 +41,16 @@ def _rows(dtype: torch.dtype, width: int) -> torch.Tensor:
 @pytest.mark.parametrize("width", [300, 3000])  # a row in registers; a long row (lane maxima, gathered candidates)
 def test_kernel_matches_reference(dtype, width):
     """Every row's k (0, 1, the full max_k, values between) and a max_k beyond some rows' k; leading dimensions
-    with k broadcast over them, as PillarAttn passes its per-request counts."""
+    with a strided k broadcast over them, as PillarAttn passes its per-request counts."""
     values = _rows(dtype, width)
     k = torch.tensor([40, 3, 17, 40, 0, 1])
     expected = reference.top_k_positions(values, k, 40)
     actual = select_kernels.top_k_positions(values.to(DEVICE), k.to(DEVICE), 40)
     assert torch.equal(actual.cpu(), expected)
     stacked = values.view(2, 3, width)
-    expected = reference.top_k_positions(stacked, k[:3], 24)
-    actual = select_kernels.top_k_positions(stacked.to(DEVICE), k[:3].to(DEVICE), 24)
+    strided = k[:3].repeat_interleave(2)[::2]  # a view with stride 2, read in place
+    expected = reference.top_k_positions(stacked, strided, 24)
+    actual = select_kernels.top_k_positions(stacked.to(DEVICE), strided.to(DEVICE), 24)
     assert torch.equal(actual.cpu(), expected)
 
 
