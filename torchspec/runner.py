@@ -355,7 +355,9 @@ class Runner:
             drafted[: tokens.shape[0], j] = tokens
         plan = StepPlan(
             [
-                ScheduledRequest(item.request, Phase.VERIFY, 1 + item.chain, ahead=item.ahead, bound=item.bound)
+                ScheduledRequest(
+                    item.request, Phase.VERIFY, 1 + item.chain, ahead=item.ahead, learns=item.learns, bound=item.bound
+                )
                 for _, item in rounds
             ]
         )

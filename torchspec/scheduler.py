@@ -72,7 +72,7 @@ class ScheduledRequest:
     # ``ahead`` is an upper bound: the step in flight runs a round of this request, which may accept fewer of its
     # drafts (a round launched ahead, see ``Scheduler._step_ahead``); the device knows the exact start.
     bound: bool = False
-    # A verify (or final prompt chunk) whose attention the draft policy learns from (see ``_next_step``).
+    # A verify, a draft chain's verify or a final prompt chunk whose attention the draft policy learns from.
     learns: bool = True
     # Read many times per step and fixed until the step is committed: computed once, when scheduled.
     first_position: int = field(init=False)  # of the first query token (drafts sit after the newest accepted)
@@ -296,7 +296,10 @@ class Scheduler:
             return None
         length = min(self._length, left - 1)
         if length > 0 and self.policy.ready(request):
-            return ScheduledRequest(request, Phase.DRAFT, 1, length, verifies=True, ahead=ahead, bound=bound)
+            learns = self.policy.learns_from_round(request)
+            return ScheduledRequest(
+                request, Phase.DRAFT, 1, length, verifies=True, ahead=ahead, learns=learns, bound=bound
+            )
         learns = self.policy.learns_from_plain_step(request)
         return ScheduledRequest(request, Phase.VERIFY, 1, ahead=ahead, learns=learns, bound=bound)
 
@@ -307,11 +310,14 @@ class Scheduler:
         if current.length is None:
             self._start_round(request)
         if self.draft_chain and current.length:  # the whole round: every draft, then the verify
-            return ScheduledRequest(request, Phase.DRAFT, 1, current.length, verifies=True)
+            learns = self.policy.learns_from_round(request)
+            return ScheduledRequest(request, Phase.DRAFT, 1, current.length, verifies=True, learns=learns)
         if len(current.tokens) < current.length:
             return ScheduledRequest(request, Phase.DRAFT, 1)
-        # A round's verify teaches the policy; a plain step only when the policy asks for it.
-        learns = bool(current.tokens) or self.policy.learns_from_plain_step(request)
+        # A round's verify or a plain step teaches the policy when it asks for it.
+        learns = (
+            self.policy.learns_from_round(request) if current.tokens else self.policy.learns_from_plain_step(request)
+        )
         return ScheduledRequest(request, Phase.VERIFY, 1 + len(current.tokens), learns=learns)
 
     def _start_round(self, request: Request) -> None:

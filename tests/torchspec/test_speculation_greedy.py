@@ -463,6 +463,28 @@ def test_adaptive_rounds_mix_plain_steps_and_rounds_and_keep_the_tokens(baseline
     assert rounds + len(BATCH.lengths) <= len(learned) < len(recorder.verifies) + len(BATCH.lengths)
 
 
+def test_relearn_rounds_learn_from_every_other_round(baseline, monkeypatch):
+    """With ``relearn_rounds=2`` PillarAttn learns from the verify of every other round a request verifies (and
+    of any round a plain step would learn from: no pattern yet, or a recent run as long as a budget); the rounds
+    between draft from the last pattern and its recent run. Tokens stay draft=None's."""
+    expected = generated_rows(baseline(GQA, BATCH), BATCH)
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft="pillar_recent", k=4, relearn_rounds=2, **MEDIUM)
+    policy = wrapped.engine.policy
+    learned, on_verifies = [], policy.on_verifies
+
+    def spy_verifies(requests, *args):
+        learned.extend((r.spec_stats.num_rounds, policy.learns_from_plain_step(r)) for r in requests)
+        on_verifies(requests, *args)
+
+    monkeypatch.setattr(policy, "on_verifies", spy_verifies)
+    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    assert [o.token_ids for o in outputs] == expected
+    check_bookkeeping(wrapped, recorder)
+    rounds = sum(1 for v in recorder.verifies if v.drafts)
+    assert all(verified % 2 == 0 or plain for verified, plain in learned)
+    assert len(learned) < rounds, "every round learned"
+
+
 def test_adaptive_rounds_wait_for_the_batch_to_fill(baseline, monkeypatch):
     """While the prompts still pending exceed a step's budget (the batch ramping up), steps decode plainly; the
     first round starts once the rest fits one step. Tokens stay draft=None's."""
@@ -1005,6 +1027,7 @@ BAD_OPTIONS = [
     pytest.param({"draft": ""}, r"unknown draft policy ''", id="draft=empty"),
     pytest.param({"draft": 1}, r"unknown draft policy 1", id="draft=1"),
     pytest.param({"draft_chain": "yes"}, r"draft_chain must be None, True or False", id="draft_chain=str"),
+    pytest.param({"relearn_rounds": 0}, r"relearn_rounds must be an integer >= 1, got 0", id="relearn_rounds=0"),
 ]
 
 

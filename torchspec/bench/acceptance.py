@@ -33,12 +33,13 @@ class Variant:
 
 
 def default_variants() -> list[Variant]:
-    """Every registered policy at its defaults, and the paper's PillarAttn with one of pillar_recent's two
-    additions at a time (the ablation)."""
+    """Every registered policy at its defaults, the paper's PillarAttn with one of pillar_recent's two additions
+    at a time (the ablation), and pillar_recent with head budgets or learning from every other round."""
     variants = [Variant(name, {"draft": name}) for name in DRAFT_POLICIES]
     variants.append(Variant("pillar + recent 64", {"draft": "pillar", "recent_window": 64}))
     variants.append(Variant("pillar + successors 4", {"draft": "pillar", "successors": 4}))
     variants.append(Variant("pillar_recent + head budgets", {"draft": "pillar_recent", "head_budgets": True}))
+    variants.append(Variant("pillar_recent + relearn 2", {"draft": "pillar_recent", "relearn_rounds": 2}))
     return variants  # pillar_recent (a registered policy) is pillar + recent 64 + successors 4
 
 

@@ -53,6 +53,11 @@ class DraftPolicy:
         """Whether the request can start a round with drafts (e.g. PillarAttn needs one verify's scores)."""
         return True
 
+    def learns_from_round(self, request: Request) -> bool:
+        """Whether the verify of the round the request starts now should hand its attention to the policy
+        (``on_verify``): every one does unless a policy keeps what an earlier round taught it."""
+        return True
+
     def learns_from_plain_step(self, request: Request) -> bool:
         """Whether a verify without drafts (a plain step, e.g. one the round length chose) should hand its
         attention to the policy (``on_verify``): every verify does unless a policy says its state is fresh

@@ -31,6 +31,13 @@ class PillarPolicy(DraftPolicy):
     def ready(self, request: Request) -> bool:
         return request.round.pattern is not None
 
+    def learns_from_round(self, request: Request) -> bool:
+        """One round in every ``relearn_rounds`` (counted by the rounds the request has verified: with rounds
+        launched ahead, one in flight is not counted yet, the same offset at every round), and any round a
+        plain step would learn from (no pattern yet, or a recent run as long as a budget)."""
+        every = request.spec_stats.num_rounds % self.config.relearn_rounds == 0
+        return every or self.learns_from_plain_step(request)
+
     def learns_from_plain_step(self, request: Request) -> bool:
         """Only once the pattern is missing or the recent run (every position from ``recent_start``, which
         every draft reads on top of the pattern) has grown to a whole budget: a Top-K over every older
