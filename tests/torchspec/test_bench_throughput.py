@@ -147,7 +147,16 @@ def test_a_run_names_its_draft_and_switches_so_one_command_runs_an_ablation(caps
         {"compile": True, "adaptive_rounds": False},
     )
     assert parse_setting("none") == (None, {})
-    for bad, named in (("pilar", "unknown draft 'pilar'"), ("none+compil", "unknown switch 'compil'")):
+    assert parse_setting("pillar_recent+relearn_rounds=2+compile") == (
+        "pillar_recent",
+        {"relearn_rounds": 2, "compile": True},
+    )
+    for bad, named in (
+        ("pilar", "unknown draft 'pilar'"),
+        ("none+compil", "unknown switch 'compil'"),
+        ("pillar_recent+relearn_rounds=two", "bad option '+relearn_rounds=two'"),
+        ("pillar_recent+sparsity=1", "bad option '+sparsity=1'"),
+    ):
         with pytest.raises(SystemExit):
             main(["--drafts", "none", bad])
         assert named in capsys.readouterr().err

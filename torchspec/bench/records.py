@@ -36,6 +36,10 @@ ENGINE_SWITCHES = {
 }
 
 
+#: Integer wrap() options a ``--drafts`` setting may give (``+NAME=N``).
+ENGINE_VALUES = ("k", "relearn_rounds")
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     for name, meaning in ENGINE_SWITCHES.items():
         flag = "--" + name.replace("_", "-")
@@ -43,16 +47,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention op set")
 
 
-def parse_setting(text: str) -> tuple[str | None, dict[str, bool]]:
+def parse_setting(text: str) -> tuple[str | None, dict[str, bool | int]]:
     """A ``--drafts`` entry: a draft policy (or ``none``), then engine switches turned on (``+name``) or off
-    (``-name``) for that run alone, e.g. ``pillar_recent+compile-adaptive_rounds``: one command runs an
-    ablation."""
+    (``-name``) and integer options set (``+name=N``, one of ``ENGINE_VALUES``) for that run alone, e.g.
+    ``pillar_recent+compile-adaptive_rounds+relearn_rounds=2``: one command runs an ablation."""
     draft, *switches = re.split(r"(?=[+-])", text)
     if draft not in ("none", *DRAFT_POLICIES):
         raise argparse.ArgumentTypeError(f"unknown draft {draft!r} in {text!r}; use none or one of {DRAFT_POLICIES}")
-    overrides = {}
+    overrides: dict[str, bool | int] = {}
     for switch in switches:
-        name = switch[1:]
+        name, is_value, value = switch[1:].partition("=")
+        if is_value:
+            if switch[0] != "+" or name not in ENGINE_VALUES or not value.isdigit():
+                raise argparse.ArgumentTypeError(
+                    f"bad option {switch!r} in {text!r}; set an integer option as +NAME=N, NAME one of {ENGINE_VALUES}"
+                )
+            overrides[name] = int(value)
+            continue
         if name not in ENGINE_SWITCHES:
             raise argparse.ArgumentTypeError(f"unknown switch {name!r} in {text!r}; use one of {list(ENGINE_SWITCHES)}")
         overrides[name] = switch[0] == "+"
