@@ -61,6 +61,7 @@ class _Sampler:
     """A sampling layout's fixed-address columns in a bucket, and the graph of its forwards."""
 
     sampling: DraftSampling  # D' rows of the layout (``DraftSampling.buffers``)
+    reason: str  # why it was made (its capture is logged with it)
     graph: torch.cuda.CUDAGraph | None = None  # every later forward's, captured on first use
 
 
@@ -108,13 +109,22 @@ class ChainGraphs:
         size = next(size for size in self.buckets if size >= count)
         step = self._steps.get(size)
         entries = inputs.lists.shape[-1]
-        if step is None or entries > step.lists.shape[-1] or step.store is not store:
+        if step is None:
+            reason = "new bucket"
+        elif entries > step.lists.shape[-1]:
+            reason = "draft lists outgrew its buffer"
+        elif step.store is not store:
+            reason = "new draft-probs store"
+        else:
+            reason = None
+        if reason is not None:
             capacity = max(2 * entries, 2 * step.lists.shape[-1] if step else 0)
             step = self._steps[size] = self._chain_step(size, capacity, inputs.max_list_len, store)
         layout = inputs.sampling.layout()
         sampler = step.samplers.get(layout)
         if sampler is None:
-            sampler = step.samplers[layout] = _Sampler(inputs.sampling.buffers(size))
+            reason = reason or "new sampling layout"
+            sampler = step.samplers[layout] = _Sampler(inputs.sampling.buffers(size), reason=reason)
         self._fill(step, sampler, inputs, count, spare_row)
         for _ in range(inputs.forwards):
             if not self.capture:
@@ -188,4 +198,5 @@ class ChainGraphs:
         forward.add_(1)
 
     def _capture(self, step: _ChainStep, sampler: _Sampler) -> None:
-        sampler.graph, _ = self.captures.capture(lambda: self._run(step, sampler), self.memory)
+        label = f"chain {step.size}: {sampler.reason}"
+        sampler.graph, _ = self.captures.capture(lambda: self._run(step, sampler), label, self.memory)

@@ -53,8 +53,14 @@ class SpecConfig:
         max_step_tokens: most query tokens in one forward step (bounds prefill chunks); ``None`` = 2048, or
             a whole batch of verifies (``max_batch_size * (k + 1)``) where that is more, so every request of a
             full batch can verify in the same step.
-        offload: offload KV of waiting requests to host memory when the pool is full (not in this release:
-            ``True`` is refused).
+        offload: admit requests by the KV slots they hold, not their worst case (prompt + ``max_new_tokens``),
+            so the running batch is sized by what requests use: each holds its computed positions and room for
+            two rounds, topped up as it grows. When a step would not fit, whole requests (the most recently
+            admitted first, so the oldest finish first) move their K/V to host memory and come back, before new
+            requests are admitted, once slots free up; nothing is ever recomputed (torchspec/kv_offload.py).
+            ``False``: every request reserves its worst case at admission and waits until it fits.
+        host_kv_capacity_tokens: most K/V rows the host tier holds with ``offload=True``; ``None`` = half of the
+            host's available memory. A request that does not fit there stays on the device and the others wait.
         delayed_verify: launch each step before reading the previous one back, so the host's reading,
             bookkeeping and planning overlap the GPU's work; stop conditions then apply one step late and the
             token made past a stop is discarded (same tokens, same distribution). Without speculation every step
@@ -121,6 +127,7 @@ class SpecConfig:
     kv_capacity_tokens: int | None = None
     max_step_tokens: int | None = None
     offload: bool = False
+    host_kv_capacity_tokens: int | None = None
     delayed_verify: bool | None = None
     unified_schedule: bool = False
     compile: bool | None = None
@@ -169,7 +176,15 @@ class SpecConfig:
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")
         for name in ("compile", "cuda_graphs", "draft_chain", "adaptive_rounds", "delayed_verify", "fuse_layers"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")
-        _require(not self.offload, "offload=True is not available in this release; leave it at its default")
+        _require(
+            self.host_kv_capacity_tokens is None
+            or (_is_int(self.host_kv_capacity_tokens) and self.host_kv_capacity_tokens >= 1),
+            f"host_kv_capacity_tokens must be None or an integer >= 1, got {self.host_kv_capacity_tokens!r}",
+        )
+        _require(
+            self.offload or self.host_kv_capacity_tokens is None,
+            "host_kv_capacity_tokens sizes the host tier of offload=True: pass offload=True or leave it at None",
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> SpecConfig:

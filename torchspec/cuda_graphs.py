@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TypeVar
 
@@ -53,6 +53,7 @@ class _StaticStep:
     full_capacity: int
     draft_lists: torch.Tensor | None = None  # [sparse layers, Hkv, capacity]: every layer's draft lists
     kept_rows: list[int] | None = None  # what ``rows`` holds now (rewritten only when it changes)
+    reason: str = "new bucket"  # why the bucket's buffers were made (its capture is logged with it)
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
 
@@ -115,12 +116,15 @@ class StepGraphs:
         draft_count = metadata.draft[self.first_sparse].kv_indices.shape[-1] if num_drafts else 0
         full_count = metadata.full.kv_indices.shape[-1]
         step = self._steps.get(key)
-        if (
-            step is None
-            or draft_count > step.draft_capacity
-            or full_count > step.full_capacity
-            or metadata.full.max_len > step.metadata.full.max_len
-        ):
+        if step is None:
+            reason = "new bucket"
+        elif draft_count > step.draft_capacity:
+            reason = "draft lists outgrew its buffer"
+        elif full_count > step.full_capacity or metadata.full.max_len > step.metadata.full.max_len:
+            reason = "full lists outgrew its buffer"
+        else:
+            reason = None
+        if reason is not None:
             draft_hint = metadata.draft[self.first_sparse].max_len if num_drafts else 0
             step = self._steps[key] = self._static_step(
                 *key,
@@ -129,6 +133,7 @@ class StepGraphs:
                 draft_hint=draft_hint,
                 full_hint=max_list_len,
             )
+            step.reason = reason
         self._fill(step, input_ids, position_ids, metadata, rows)
         if not self.capture:
             logits = self._run_forward(step)
@@ -248,7 +253,8 @@ class StepGraphs:
         return output.logits[0]
 
     def _capture(self, step: _StaticStep) -> None:
-        step.graph, step.logits = self.captures.capture(lambda: self._run_forward(step))
+        label = f"step {step.num_drafts}+{step.num_verifies}: {step.reason}"
+        step.graph, step.logits = self.captures.capture(lambda: self._run_forward(step), label)
 
     def replay_latest(self, repeats: int) -> None:
         """Replay the latest bucket's graph ``repeats`` times back to back, with no host work in between (for
@@ -273,19 +279,32 @@ class StepGraphs:
 
 @dataclass
 class CaptureLog:
-    """Graph captures so far and the host seconds they took (a draining batch captures at new buckets; the
-    throughput benchmark reports both)."""
+    """Graph captures so far, the host seconds they took and why each was made (a draining batch captures at
+    new buckets, growing lists capture a bucket again; the throughput benchmark reports all three)."""
 
     count: int = 0
     seconds: float = 0.0
+    events: list[tuple[str, float]] = field(default_factory=list)  # (what and why, seconds), in order
 
-    def capture(self, run: Callable[[], T], pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
-        """``capture_graph(run, pool)``, counted."""
+    def capture(self, run: Callable[[], T], label: str, pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+        """``capture_graph(run, pool)``, counted and logged under ``label`` (the graph and why it was made)."""
         start = time.perf_counter()
         captured = capture_graph(run, pool)
+        seconds = time.perf_counter() - start
         self.count += 1
-        self.seconds += time.perf_counter() - start
+        self.seconds += seconds
+        self.events.append((label, seconds))
         return captured
+
+    def by_reason(self) -> dict[str, list[float]]:
+        """``{why: [captures, seconds]}``: the labels without their bucket sizes."""
+        totals: dict[str, list[float]] = {}
+        for label, seconds in self.events:
+            kind, _, why = label.partition(": ")
+            entry = totals.setdefault(f"{kind.split()[0]}: {why}", [0, 0.0])
+            entry[0] += 1
+            entry[1] += seconds
+        return totals
 
 
 def capture_graph(run: Callable[[], T], pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:

@@ -14,7 +14,8 @@ from torchspec.config import SpecConfig
 from torchspec.drafting import DraftPolicy, make_policy
 from torchspec.fused_layers import FusedLayers
 from torchspec.hf import routed_attention
-from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens, step_workspace_bytes
+from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens, bytes_per_token, step_workspace_bytes
+from torchspec.kv_offload import OffloadStats, auto_host_capacity_tokens
 from torchspec.request import FinishReason, Request, SamplingParams
 from torchspec.runner import LaunchedStep, Runner
 from torchspec.scheduler import Scheduler, StepPlan
@@ -130,7 +131,13 @@ class Engine:
             compile_model=bool(config.compile),
             cuda_graphs=use_cuda_graphs(config.cuda_graphs, self.device, ops),
             max_batch_size=config.max_batch_size,
+            offload=config.offload,
         )
+        self.host_kv_capacity_tokens = 0  # the host tier's K/V rows (``offload``)
+        if config.offload:
+            self.host_kv_capacity_tokens = config.host_kv_capacity_tokens or auto_host_capacity_tokens(
+                bytes_per_token(layers, self.dtype)
+            )
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy, config.unified_schedule)
         # Launch each step before reading the last one back (see SpecConfig). With speculation, a request's next
         # round launches while its last one is in flight where the runner places every draft list on the device
@@ -191,6 +198,8 @@ class Engine:
             stagger=self.delayed_verify and self.policy is not None and not self.rounds_ahead,
             unified=self.config.unified_schedule,
             rounds_ahead=self.rounds_ahead,
+            offload=self._new_offload_stats(),
+            host_capacity_tokens=self.host_kv_capacity_tokens,
         )
         for request in requests:
             if request.is_finished:
@@ -208,9 +217,18 @@ class Engine:
                 while scheduler.has_work():
                     started = time.perf_counter()
                     plan = scheduler.schedule(in_flight.plan if in_flight is not None else None)
+                    self.runner.move_kv(plan)
                     launched = self.runner.launch(plan) if plan.scheduled else None
                     if in_flight is None and launched is None:
-                        raise RuntimeError("scheduler made no progress: a waiting request can never be admitted")
+                        raise RuntimeError(
+                            "scheduler made no progress: a waiting request can never be admitted"
+                            + (
+                                ", or the host tier is too full to move requests out of the pool: raise "
+                                "host_kv_capacity_tokens"
+                                if self.config.offload
+                                else ""
+                            )
+                        )
                     if not self.delayed_verify:
                         in_flight, launched = launched, None
                     if in_flight is not None:  # read back while the step just launched runs
@@ -233,8 +251,18 @@ class Engine:
             for request in list(scheduler.running):
                 scheduler.finish(request, FinishReason.ERROR)
                 request.error = "stopped before finishing"
+            for request in scheduler.offloaded:
+                request.finish(FinishReason.ERROR, "stopped before finishing (its K/V was on the host)")
+                self.runner.host.drop(id(request))
             for request in scheduler.waiting:
                 request.finish(FinishReason.ERROR, "stopped before starting")
+
+    def _new_offload_stats(self) -> OffloadStats | None:
+        """A run's host-tier counters, shared by the scheduler (what moves) and the store (the copies)."""
+        if self.runner.host is None:
+            return None
+        self.runner.host.stats = OffloadStats()
+        return self.runner.host.stats
 
     def _fused_forwards(self) -> contextlib.AbstractContextManager:
         return self.fused_layers.installed() if self.fused_layers is not None else contextlib.nullcontext()
@@ -268,6 +296,7 @@ class Engine:
             generated_tokens=sum(r.num_output_tokens for r in requests),
             wall_time_s=time.perf_counter() - self._run_start,
             steps=self._run_steps,
+            offload=None if self.runner.host is None else self.runner.host.stats,
         )
 
     def new_request(self, request_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> Request:

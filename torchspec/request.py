@@ -9,7 +9,7 @@ from typing import Any
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"  # admitted to the engine, no KV slots yet
+    WAITING = "waiting"  # holds no KV slots: not started yet, or its K/V moved to the host tier (offload)
     RUNNING = "running"  # prefilling (in chunks) or decoding
     FINISHED = "finished"
 

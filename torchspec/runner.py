@@ -22,6 +22,7 @@ from torchspec.draft_sampling import DraftSampling
 from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context, verify_mass_buffer
 from torchspec.kv_cache import KVPool, LayerSpec
+from torchspec.kv_offload import HostKVStore
 from torchspec.request import Request
 from torchspec.sampling import DenseProbs, WarpedLogits, suppress_stop_tokens, target_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
@@ -45,8 +46,10 @@ class Runner:
         compile_model: bool = False,
         cuda_graphs: bool = False,
         max_batch_size: int = 256,
+        offload: bool = False,
     ) -> None:
         self.model = model
+        self.host = HostKVStore(pool) if offload else None  # the KV host tier (``offload``)
         # Dynamic shapes: the packed token count changes every step; attention is one opaque op per layer.
         self.forward = torch.compile(model, dynamic=True) if compile_model else model
         self.pool = pool
@@ -303,6 +306,25 @@ class Runner:
             return self._draft_lists(rows, firsts, positions, np.arange(len(items)), None)[0]
 
         return select
+
+    @torch.inference_mode()
+    def move_kv(self, plan: StepPlan) -> None:
+        """The plan's KV moves, queued before any step that reuses their slots: requests leaving the pool copy
+        their K/V to the host and give their slot-table rows back; those coming back copy theirs into their
+        new slots and get a row (with their newest token, which a decoding step reads from it); requests given
+        more slots get them in their rows; requests that ended while the plan was made give their rows back."""
+        for request, slots in plan.offloads:
+            self.host.offload(id(request), slots)
+            self.table.release(request)
+        for request in plan.restores:
+            self.host.restore(id(request), request.slots[: request.num_computed_tokens])
+            row = self.table.row(request)
+            if request.decoding:
+                self.table.last_tokens[row] = request.token_ids[-1]
+        for request in plan.grown:
+            self.table.extend(request)
+        for request in plan.stopped:
+            self.table.release(request)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:

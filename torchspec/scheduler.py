@@ -35,10 +35,20 @@ forward of the whole batch.
 Admission gives a request the slots of its worst-case KV need (prompt + max_new_tokens + k draft slots), one
 per position it may ever compute, so a running request never runs out of slots, nothing is evicted or
 recomputed, and a position's slot is known before any step computes it: requests that do not fit wait.
+
+Admission by use (``offload``): a request is admitted with slots for its prompt and two rounds (the one in flight
+and the next), and every step first tops each running request up to that (oldest first, in chunks). When the
+pool cannot, the most recently admitted requests leave it: their K/V moves to the host tier
+(torchspec/kv_offload.py), their slots are freed, and they wait at the head of the queue; once slots free up
+they come back (new slots, their K/V copied in) before any new request is admitted. A request with a step in
+flight cannot move: it sits the next step out and moves once that step is read back. So the oldest requests
+always run, finish first, and nothing is recomputed. The plan carries the moves; the runner makes them before
+the step's forwards.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import time
 from collections import deque
@@ -46,8 +56,12 @@ from dataclasses import dataclass, field
 
 from torchspec.drafting import DraftPolicy
 from torchspec.kv_cache import SlotAllocator
+from torchspec.kv_offload import OffloadStats
 from torchspec.request import DraftRound, FinishReason, Request, RequestStatus
 from torchspec.round_length import RoundLength
+
+# Slots a request running with ``offload`` gets at a time, at least (fewer top-ups, each a slot-table write).
+SLOT_CHUNK = 32
 
 
 class Phase(enum.Enum):
@@ -125,9 +139,16 @@ class ScheduledRequest:
 
 @dataclass
 class StepPlan:
-    """Plain host data describing one forward step; draft steps come first."""
+    """Plain host data describing one forward step; draft steps come first. With ``offload``, also the KV
+    moves the runner makes before it: requests leaving the pool (with the slots their computed positions had,
+    in position order), requests coming back (their new slots already in ``Request.slots``), running requests
+    given more slots, and requests that ended while it was planned."""
 
     scheduled: list[ScheduledRequest]
+    offloads: list[tuple[Request, list[int]]] = field(default_factory=list)
+    restores: list[Request] = field(default_factory=list)
+    grown: list[Request] = field(default_factory=list)
+    stopped: list[Request] = field(default_factory=list)  # ended while planning (their rows go back)
     num_drafts: int = field(init=False)  # read several times per step: counted once
 
     def __post_init__(self) -> None:
@@ -168,8 +189,19 @@ class Scheduler:
         stagger: bool = False,
         unified: bool = False,
         rounds_ahead: bool = False,
+        offload: OffloadStats | None = None,
+        host_capacity_tokens: int = 0,
     ) -> None:
         self.allocator = allocator
+        # Admission by use, with the host tier (None: worst-case reservations), and the counters it keeps.
+        self.offload = offload
+        self.host_capacity_tokens = host_capacity_tokens
+        self.host_tokens = 0  # K/V rows of the requests on the host
+        self.offloaded: list[Request] = []  # waiting to come back, oldest admission first
+        self._leaving: set[int] = set()  # id() of requests to offload once their step in flight is read back
+        self._admission: dict[int, int] = {}  # id() of a request in the pool or on the host -> admission order
+        self._admitted = 0
+        self._moves = StepPlan([])  # the moves decided for the step being planned
         self.stagger = stagger  # each step starts at most half of the decoding requests' rounds
         # A request's next step is launched while its round (or plain step) is in flight (draft chains, delayed).
         self.rounds_ahead = rounds_ahead
@@ -193,7 +225,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.offloaded)
 
     def reservation(self, request: Request) -> int:
         return request.max_total_tokens + self.k
@@ -201,6 +233,11 @@ class Scheduler:
     def schedule(self, in_flight: StepPlan | None = None) -> StepPlan:
         """Draft and verify steps first (one per decoding request), then prefill chunks within the budget.
         ``in_flight``: the step launched and not yet committed (delayed verification, see the module docstring)."""
+        self._moves = StepPlan([])
+        blocked: set[int] = set()  # id() of requests that sit this step out: leaving, or short of slots
+        if self.offload is not None:
+            in_flight_ids = {id(item.request) for item in in_flight.scheduled} if in_flight is not None else set()
+            blocked = self._make_room(in_flight_ids)
         self._admit()
         if self.round_length.adaptive:
             starting = [r.spec_stats for r in self.running if r.decoding and r.round.length is None]
@@ -211,6 +248,8 @@ class Scheduler:
         prefilling: list[tuple[Request, None, int]] = []  # no step yet: its chunk is sized below, ``ahead`` on
         starts = self._max_starts()
         for request in self.running:
+            if id(request) in blocked:
+                continue
             item = pending.get(id(request))
             if item is None:
                 if request.decoding:
@@ -244,7 +283,8 @@ class Scheduler:
             scheduled.append(item)
         # Drafts first, longest chain first: a chain's later forwards then hold a prefix of the step's drafts.
         scheduled.sort(key=lambda item: (item.phase is not Phase.DRAFT, -item.chain))
-        return StepPlan(scheduled)
+        moves = self._moves
+        return StepPlan(scheduled, moves.offloads, moves.restores, moves.grown, moves.stopped)
 
     def _max_starts(self) -> int:
         """Decoding requests whose next step this step may start: all of them, or half with ``stagger`` (rounded
@@ -356,14 +396,127 @@ class Scheduler:
         return counts
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch_size:
-            request = self.waiting[0]
-            if self.reservation(request) > self.allocator.num_free:
-                break
-            self.waiting.popleft()
-            request.slots = self.allocator.allocate(self.reservation(request))  # every position it may compute
+        """Start waiting requests while the batch and the pool have room: with ``offload``, those on the host
+        first (oldest first), each with the slots of its next two rounds and room left for the running requests'
+        next round; else each with its worst case."""
+        while len(self.running) < self.max_batch_size:
+            restoring = self.offload is not None and bool(self.offloaded)
+            if not restoring and not self.waiting:
+                return
+            request = self.offloaded[0] if restoring else self.waiting[0]
+            if self.offload is None:
+                need, room = self.reservation(request), 0
+            else:
+                need, room = self._slots_needed(request), (self.k + 1) * len(self.running)
+            if need + room > self.allocator.num_free:
+                return
+            request.slots = self.allocator.allocate(need)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if restoring:
+                self.offloaded.pop(0)
+                self.host_tokens -= request.num_computed_tokens
+                self._moves.restores.append(request)
+            else:
+                self.waiting.popleft()
+                self._admission[id(request)] = self._admitted
+                self._admitted += 1
+            bisect.insort(self.running, request, key=lambda r: self._admission.get(id(r), 0))
+            self._note_use()
+
+    def _slots_needed(self, request: Request) -> int:
+        """Slots a request admitted by use holds before a step: its tokens and two rounds (the one in flight, if
+        any, and the next), never more than its worst case."""
+        return min(self.reservation(request), len(request.token_ids) + 2 * (self.k + 1))
+
+    def _make_room(self, in_flight: set[int]) -> set[int]:
+        """Top the running requests up (``_top_up``); returns those that sit this step out. Should none of them
+        be able to run, with no step in flight and none leaving, the host tier is too full to take the requests
+        that would make room: the most recently admitted one between rounds then ends with an error naming the
+        host tier's size (its tokens so far kept), so that the others complete."""
+        while True:
+            blocked = self._top_up(in_flight)
+            if in_flight or self._leaving or not self.running or any(id(r) not in blocked for r in self.running):
+                return blocked
+            stuck = next((r for r in reversed(self.running) if not r.round.tokens), self.running[-1])
+            self.finish(stuck, FinishReason.ERROR)
+            stuck.error = (
+                f"stopped after {stuck.num_output_tokens} tokens: the KV pool ({self.allocator.num_slots} slots) "
+                f"was full and the host tier (host_kv_capacity_tokens={self.host_capacity_tokens}, "
+                f"{self.host_tokens} in use) could not take its {stuck.num_computed_tokens} K/V rows to make room; "
+                "raise host_kv_capacity_tokens or kv_capacity_tokens"
+            )
+            self._moves.stopped.append(stuck)
+
+    def _top_up(self, in_flight: set[int]) -> set[int]:
+        """Top each running request up to ``_slots_needed``, oldest first, offloading the most recently admitted
+        ones (this one included, when it is the newest) where the pool is short. Returns the requests that sit
+        this step out: leaving once their step in flight is read back, or short of slots with no one to move."""
+        for request in [r for r in self.running if id(r) in self._leaving and id(r) not in in_flight]:
+            self._offload(request)
+        blocked = set(self._leaving)
+        for request in list(self.running):
+            if request not in self.running or id(request) in blocked:
+                continue
+            short = self._slots_needed(request) - len(request.slots)
+            if short <= 0:
+                continue
+            freeing = 0  # slots of newer requests that leave after the step in flight
+            while short > self.allocator.num_free + freeing:
+                victim = self._victim(request, blocked)
+                if victim is None:
+                    break
+                if id(victim) in in_flight:
+                    self._leaving.add(id(victim))
+                    blocked.add(id(victim))
+                    freeing += len(victim.slots)
+                else:
+                    self._offload(victim)
+            if request not in self.running:  # it was the newest: it left
+                continue
+            if short > self.allocator.num_free:
+                blocked.add(id(request))
+                continue
+            grant = min(max(short, SLOT_CHUNK), self.reservation(request) - len(request.slots), self.allocator.num_free)
+            request.slots = request.slots + self.allocator.allocate(grant)
+            self._moves.grown.append(request)
+            self._note_use()
+        return blocked
+
+    def _victim(self, request: Request, leaving: set[int]) -> Request | None:
+        """The most recently admitted running request, ``request`` itself at the latest, that can leave the pool:
+        not already leaving, between rounds (no drafts waiting for their verify in a later step) and with room
+        on the host for its K/V."""
+        order = self._admission[id(request)]
+        for candidate in reversed(self.running):
+            if self._admission[id(candidate)] < order:
+                return None
+            if (
+                id(candidate) not in leaving
+                and not candidate.round.tokens
+                and self.host_tokens + candidate.num_computed_tokens <= self.host_capacity_tokens
+            ):
+                return candidate
+        return None
+
+    def _offload(self, request: Request) -> None:
+        """Move a request out of the pool: its K/V to the host (the plan's move), its slots freed, and it waits
+        at the head of the queue, in admission order."""
+        self._leaving.discard(id(request))
+        computed = request.num_computed_tokens
+        self._moves.offloads.append((request, request.slots[:computed]))
+        self.allocator.free(request.slots)
+        request.slots = []
+        request.status = RequestStatus.WAITING
+        self.running.remove(request)
+        self._phased.discard(id(request))
+        self.host_tokens += computed
+        self.offload.peak_host_tokens = max(self.offload.peak_host_tokens, self.host_tokens)
+        bisect.insort(self.offloaded, request, key=lambda r: self._admission[id(r)])
+
+    def _note_use(self) -> None:
+        if self.offload is not None:
+            used = self.allocator.num_slots - self.allocator.num_free
+            self.offload.peak_device_tokens = max(self.offload.peak_device_tokens, used)
 
     def commit(self, plan: StepPlan, results: list[StepResult]) -> list[Request]:
         """Apply each step's results: drafts recorded, verified tokens accepted, rejected drafts' slots freed,
@@ -437,5 +590,7 @@ class Scheduler:
         request.finish(reason)
         self.running.remove(request)
         self._phased.discard(id(request))
+        self._admission.pop(id(request), None)
+        self._leaving.discard(id(request))
         self.allocator.free(request.slots)
         request.slots = []

@@ -1,10 +1,11 @@
 """A device-side copy of every running request's slot list, so a step's slots and slot lists are gathered on
 the device.
 
-A request holds the slots of every position it may ever compute from its admission on (``Request.slots``,
-its worst case, which admission reserves anyway), so its row is written once, when it gets one, and every
-step reads the slots of its positions from here: the host builds no slot list per step (the host cost grew
-with the step's tokens) and never needs to know a position's slot before the device does.
+A request holds the slots of every position its next steps may compute (``Request.slots``: its worst case from
+admission on, or with ``offload`` its positions so far and room for two rounds, topped up as it grows), so its
+row is written when it gets one and extended when it gets more, and every step reads the slots of its positions
+from here: the host builds no slot list per step (the host cost grew with the step's tokens) and never needs
+to know a position's slot before the device does.
 
 Each row also holds its request's state as the steps queued on the device leave it: how many of its tokens
 have their K/V computed (``computed``) and its newest token (``last_tokens``). Every step advances them on the
@@ -33,6 +34,7 @@ class SlotTable:
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)
         self.computed = torch.zeros(0, dtype=torch.int64, device=device)
         self._holders: dict[int, Request] = {}  # row -> the request holding it (its ``table_row``)
+        self._written: dict[int, int] = {}  # row -> how many of its holder's slots the row holds
         self._free_rows: list[int] = []
 
     def reset(self) -> None:
@@ -49,14 +51,26 @@ class SlotTable:
         if not self._free_rows:
             self._grow(rows=max(8, 2 * self.slots.shape[0]), width=self.slots.shape[1])
         row = self._free_rows.pop()
-        count = len(request.slots)
-        if count > self.slots.shape[1]:
-            self._grow(rows=self.slots.shape[0], width=max(count, 2 * self.slots.shape[1], 256))
-        self.slots[row, :count] = to_device(request.slots, self.device)
+        self._write(row, request.slots, 0)
         self.computed[row] = request.num_computed_tokens
         request.table_row = row
         self._holders[row] = request
         return row
+
+    def extend(self, request: Request) -> None:
+        """Write the slots a request got since its row was written (a request without a row gets them all
+        when it is given one)."""
+        row = request.table_row
+        if row is not None and len(request.slots) > self._written[row]:
+            written = self._written[row]
+            self._write(row, request.slots[written:], written)
+
+    def _write(self, row: int, slots: Sequence[int], start: int) -> None:
+        end = start + len(slots)
+        if end > self.slots.shape[1]:
+            self._grow(rows=self.slots.shape[0], width=max(end, 2 * self.slots.shape[1], 256))
+        self.slots[row, start:end] = to_device(slots, self.device)
+        self._written[row] = end
 
     def release(self, request: Request) -> None:
         """Give a finished request's row back."""

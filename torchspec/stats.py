@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from torchspec.kv_offload import OffloadStats
 from torchspec.request import SpeculationStats
 
 
@@ -36,6 +37,7 @@ class GenerationStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0  # accepted drafts, bonus/corrected tokens not counted
     accepted_histogram: tuple[int, ...] = ()  # rounds that accepted 0, 1, ..., k drafts
+    offload: OffloadStats | None = None  # what the KV host tier did (``offload=True``; None without it)
 
     @property
     def mean_accepted(self) -> float:

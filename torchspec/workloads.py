@@ -12,7 +12,8 @@ REASONING_INSTRUCTION = "Please reason step by step, and put your final answer w
 
 def read_prompts(path: str | Path | None = None, limit: int | None = None) -> list[str]:
     """Prompts from a ``.jsonl`` file (field ``prompt``) or a text file (one a line); None = the packaged
-    AIME 2024 + OlympiadBench problems, each followed by the reasoning instruction."""
+    AIME 2024 + OlympiadBench problems, each followed by the reasoning instruction. A ``limit`` past the file's
+    length cycles it (W3's 1,024 requests: the 705 packaged prompts, then the first 319 again)."""
     if path is None:
         text = resources.files("torchspec").joinpath("data/reasoning_prompts.jsonl").read_text()
         prompts = [f"{json.loads(line)['prompt']}\n{REASONING_INSTRUCTION}" for line in text.splitlines() if line]
@@ -20,7 +21,9 @@ def read_prompts(path: str | Path | None = None, limit: int | None = None) -> li
         path = Path(path)
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         prompts = [json.loads(line)["prompt"] for line in lines] if path.suffix == ".jsonl" else lines
-    return prompts[:limit] if limit is not None else prompts
+    if limit is None:
+        return prompts
+    return [prompts[i % len(prompts)] for i in range(limit)]
 
 
 def chat_token_ids(tokenizer: Any, prompt: str, system: str | None = None) -> list[int]:

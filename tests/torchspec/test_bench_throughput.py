@@ -11,6 +11,7 @@ from torchspec.bench import decode_step, host_step, step_profile
 from torchspec.bench.records import parse_setting
 from torchspec.bench.throughput import main, measure
 from torchspec.kv_cache import bytes_per_token
+from torchspec.workloads import read_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -160,3 +161,22 @@ def test_a_run_names_its_draft_and_switches_so_one_command_runs_an_ablation(caps
         with pytest.raises(SystemExit):
             main(["--drafts", "none", bad])
         assert named in capsys.readouterr().err
+
+
+def test_throughput_record_reports_the_host_tier_and_natural_lengths(smollm2):
+    """``offload=True`` runs put the host tier's counters in the record (None without it); with natural lengths
+    a request may stop at EOS before the limit, never past it."""
+    model, tokenizer = smollm2
+    prompts = [tokenizer("What is 2 + 2?")["input_ids"], tokenizer("Name a prime.")["input_ids"]]
+    record = measure(model, prompts, None, max_new_tokens=12, temperature=0.0, natural_lengths=True, offload=True)
+    assert record["natural_lengths"] is True and record["generated_tokens"] <= 24
+    assert record["offload"]["recomputed_tokens"] == 0 and record["offload"]["peak_device_tokens"] > 0
+    assert measure(model, prompts, None, max_new_tokens=2, temperature=0.0)["offload"] is None
+
+
+def test_packaged_prompts_cycle_past_their_count():
+    """W3's 1,024 requests: the 705 packaged prompts, then the first 319 again."""
+    prompts = read_prompts()
+    cycled = read_prompts(limit=len(prompts) + 3)
+    assert cycled[: len(prompts)] == prompts and cycled[len(prompts) :] == prompts[:3]
+    assert read_prompts(limit=2) == prompts[:2]

@@ -29,8 +29,3 @@ def test_compiled_forward_matches_eager_with_speculation():
     actual = wrapped.generate(**batch.kwargs(), max_new_tokens=12, do_sample=False)
     assert torch.equal(expected, actual)
     assert wrapped.last_stats.num_rounds > 0
-
-
-def test_features_not_in_this_release_are_refused_by_name():
-    with pytest.raises(ValueError, match="offload=True is not available in this release"):
-        sparsespec.wrap(tiny_spec("llama", 2).build(), offload=True)

@@ -12,7 +12,7 @@ import torch
 import attention
 from tests.torchspec.conftest import Batch, tiny_spec
 from torchspec import sparsespec
-from torchspec.cuda_graphs import bucket_sizes
+from torchspec.cuda_graphs import CaptureLog, bucket_sizes
 from torchspec.engine import use_cuda_graphs
 from torchspec.request import SamplingParams
 
@@ -23,6 +23,23 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # Small prefill chunks: requests finish their prompts at different steps, so their rounds stay out of phase
 # and most speculative steps mix drafts and verifies (the unified batch).
 OPTIONS = {"kv_capacity_tokens": 512, "k": 4, "min_budget": 6, "max_batch_size": 8, "max_step_tokens": 12}
+
+
+def test_capture_log_totals_captures_by_kind_and_reason():
+    """The benchmark's breakdown of graph captures: bucket sizes dropped, kinds and reasons kept apart."""
+    log = CaptureLog(
+        events=[
+            ("step 256+0: new bucket", 0.25),
+            ("chain 256: new bucket", 0.5),
+            ("step 32+32: new bucket", 0.25),
+            ("chain 256: draft lists outgrew its buffer", 1.0),
+        ]
+    )
+    assert log.by_reason() == {
+        "step: new bucket": [2, 0.5],
+        "chain: new bucket": [1, 0.5],
+        "chain: draft lists outgrew its buffer": [1, 1.0],
+    }
 
 
 def test_bucket_sizes_cover_every_batch_once():

@@ -33,6 +33,8 @@ ENGINE_SWITCHES = {
     "adaptive_rounds": "choose each step's round length from measured costs (auto: on with draft chains on CUDA)",
     "fuse_layers": "one GEMM for q/k/v and gate/up, one kernel per norm, RoPE, SiLU x mul (auto: on)",
     "unified_schedule": "spread the requests' rounds over a round's phases, one forward per step (auto: off)",
+    "offload": "admit requests by the KV they hold and move the newest to host memory when the pool is short "
+    "(auto: off)",
 }
 
 

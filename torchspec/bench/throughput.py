@@ -7,7 +7,9 @@ An ablation in one command: each ``--drafts`` entry may turn engine switches on 
 e.g. ``--drafts none none+compile pillar_recent-adaptive_rounds pillar_recent pillar_recent+compile``.
 
 Every request generates exactly ``--max-new-tokens`` tokens (EOS is held back with ``min_new_tokens``, the
-transformers way of ignoring it), so runs compare equal work. Before the timed run, each setting's engine
+transformers way of ignoring it), so runs compare equal work; ``--natural-lengths`` stops at EOS instead. A
+``--prompts`` count past the 705 packaged prompts cycles them (W3, issue 15: ``--prompts 1024 --drafts
+pillar_recent pillar_recent+offload``). Before the timed run, each setting's engine
 generates ``--warmup-tokens`` tokens for every prompt (untimed, recorded as ``warmup_s``): first-use costs
 (Triton and FlexAttention compiles, the full batch's graph captures) would otherwise fall on whichever setting
 runs first; captures for the smaller batches of the tail stay in the timed run, as in a real job. One JSON
@@ -18,6 +20,7 @@ peak device memory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import time
@@ -95,6 +98,7 @@ def measure(
     temperature: float,
     seed: int = 0,
     warmup_tokens: int = 0,
+    natural_lengths: bool = False,
     **options,
 ) -> dict:
     """One ``generate_batch`` over ``prompts`` with ``draft`` (after an untimed one of ``warmup_tokens`` tokens
@@ -109,7 +113,7 @@ def measure(
         return wrapped.generate_batch(
             [list(p) for p in prompts],
             max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
+            min_new_tokens=0 if natural_lengths else new_tokens,
             do_sample=temperature > 0,
             temperature=temperature if temperature > 0 else 1.0,
         )
@@ -135,6 +139,7 @@ def measure(
         "requests": len(prompts),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
+        "natural_lengths": natural_lengths,  # EOS respected (else held back to max_new_tokens)
         "warmup_tokens": warmup_tokens,
         "warmup_s": warmup_s,
         "generated_tokens": generated,
@@ -156,7 +161,12 @@ def measure(
         # Graph captures of the whole call, warm-up included (a draining batch captures at new buckets).
         "graph_captures": None if graphs is None else graphs.captures.count,
         "graph_capture_s": None if graphs is None else graphs.captures.seconds,
+        # What each capture was and why it was made: {kind: why: [captures, seconds]}, then every one in order.
+        "graph_captures_by_reason": None if graphs is None else graphs.captures.by_reason(),
+        "graph_capture_events": None if graphs is None else graphs.captures.events,
         "kv_capacity_tokens": wrapped.engine.kv_capacity_tokens,
+        # The KV host tier (offload): K/V rows moved out and back, peak use of both tiers, host time copying.
+        "offload": None if stats.offload is None else dataclasses.asdict(stats.offload),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         **environment(device, next(model.parameters()).dtype),
     }
@@ -166,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--natural-lengths", action="store_true", help="stop at EOS (default: EOS held back to --max-new-tokens)"
+    )
     parser.add_argument("--temperature", type=float, default=0.65)
     parser.add_argument(
         "--warmup-tokens", type=int, default=16, help="untimed tokens per prompt before each timed run (0: none)"
@@ -189,7 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     for text, draft, overrides in settings:
         options = engine_options(args) | overrides
         record = measure(
-            model, prompts, draft, args.max_new_tokens, args.temperature, warmup_tokens=args.warmup_tokens, **options
+            model,
+            prompts,
+            draft,
+            args.max_new_tokens,
+            args.temperature,
+            warmup_tokens=args.warmup_tokens,
+            natural_lengths=args.natural_lengths,
+            **options,
         )
         record["setting"] = text
         print(

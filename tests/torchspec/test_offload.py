@@ -1,0 +1,154 @@
+"""``offload=True``: requests are admitted by the KV slots they hold, and when the pool is short the most
+recently admitted ones move their K/V to the host tier and come back, never recomputed.
+
+With a pool far too small for the batch's worst case, greedy output must equal an unconstrained run token for
+token (every draft policy, with and without delayed verification, the graph-padded path), K/V must really
+have moved (and back), no prompt token may be computed twice, every device slot and host buffer must be free
+at the end, and equal requests must finish in admission order. A host tier too small to make room ends the
+newest request with an error naming it (its tokens so far kept) while the others complete.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from tests.torchspec.conftest import Batch, assert_no_slot_leak, tiny_spec
+from torchspec import sparsespec
+from torchspec.config import DRAFT_POLICIES
+from torchspec.request import SamplingParams
+from torchspec.scheduler import Phase
+
+SPEC = tiny_spec("llama", 2)
+BATCH = Batch((40, 77, 9, 50, 31, 23), seed=3)
+MAX_NEW_TOKENS = 40
+POOL = 150  # the batch's worst case: 230 prompt + 6 x (40 + 8) = 518 slots
+TIGHT = {"kv_capacity_tokens": POOL, "max_batch_size": len(BATCH.lengths), "offload": True}
+UNCONSTRAINED = {"kv_capacity_tokens": 2048}
+
+
+def _generate(spec: Any, draft: str | None, options: dict[str, Any], **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """Greedy ``generate`` over BATCH; also checks that no prompt token was computed twice and nothing leaked."""
+    wrapped = sparsespec.wrap(spec.build(), draft=draft, **options)
+    prefilled: Counter[int] = Counter()  # prompt tokens computed per request
+    launch = wrapped.engine.runner.launch
+
+    def counting_launch(plan):
+        for item in plan.scheduled:
+            if item.phase is Phase.PREFILL:
+                prefilled[id(item.request)] += item.num_query_tokens
+        return launch(plan)
+
+    wrapped.engine.runner.launch = counting_launch
+    output = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **kwargs)
+    assert sorted(prefilled.values()) == sorted(BATCH.lengths), "a prompt token was computed twice"
+    assert_no_slot_leak(wrapped)
+    host = wrapped.engine.runner.host
+    assert host is None or host.num_requests == 0, "K/V left on the host"
+    return output, wrapped
+
+
+def _assert_moved(wrapped: Any) -> None:
+    stats = wrapped.last_stats.offload
+    assert stats.offloaded_tokens > 0, stats
+    assert stats.restored_tokens == stats.offloaded_tokens, stats
+    assert stats.recomputed_tokens == 0, stats
+    assert 0 < stats.peak_device_tokens <= POOL, stats
+    assert 0 < stats.peak_host_tokens <= stats.offloaded_tokens, stats
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["sync", "delayed"])
+@pytest.mark.parametrize("draft", [None, *DRAFT_POLICIES])
+def test_offload_gives_the_unconstrained_tokens(draft, delayed):
+    options = {"delayed_verify": delayed}
+    expected, _ = _generate(SPEC, draft, UNCONSTRAINED | options)
+    actual, wrapped = _generate(SPEC, draft, TIGHT | options)
+    assert torch.equal(expected, actual), f"{actual}\n{expected}"
+    _assert_moved(wrapped)
+
+
+@pytest.mark.parametrize(
+    "spec, options",
+    [
+        (tiny_spec("qwen3", 4), {}),
+        (SPEC, {"cuda_graphs": True}),  # the graph-padded path (run without capture on a CPU)
+        (SPEC, {"delayed_verify": True, "cuda_graphs": True}),
+        (SPEC, {"max_step_tokens": 32}),  # prompts prefilled in chunks, next to decodes
+    ],
+    ids=["qwen3", "graphs", "graphs-delayed", "chunked-prefill"],
+)
+@pytest.mark.parametrize("draft", [None, "pillar_recent"])
+def test_offload_gives_the_unconstrained_tokens_on_every_path(spec, options, draft):
+    expected, _ = _generate(spec, draft, UNCONSTRAINED | options)
+    actual, wrapped = _generate(spec, draft, TIGHT | options)
+    assert torch.equal(expected, actual), f"{actual}\n{expected}"
+    _assert_moved(wrapped)
+
+
+def test_offload_with_stop_tokens_landing_mid_run():
+    """EOS stops rows at different steps (one late under delayed verification): same tokens as unconstrained."""
+    expected, _ = _generate(SPEC, None, UNCONSTRAINED)
+    early = Counter(t for row in expected[:, BATCH.width + 1 : BATCH.width + 6].tolist() for t in row)
+    eos = early.most_common(1)[0][0]
+    for draft in (None, "pillar_recent"):
+        for delayed in (False, True):
+            options = {"delayed_verify": delayed}
+            reference, _ = _generate(SPEC, draft, UNCONSTRAINED | options, eos_token_id=eos)
+            actual, _ = _generate(SPEC, draft, TIGHT | options, eos_token_id=eos)
+            assert torch.equal(reference, actual), (draft, delayed)
+
+
+def test_equal_requests_finish_in_admission_order():
+    """The oldest requests keep running: equal ones finish in the order they were admitted."""
+    wrapped = sparsespec.wrap(SPEC.build(), draft=None, **TIGHT)
+    engine = wrapped.engine
+    params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS)
+    prompts = Batch((30,) * 6, seed=5).prompts
+    requests = [engine.new_request(i, prompt, params) for i, prompt in enumerate(prompts)]
+    finished_at: dict[int, int] = {}  # request id -> the step it finished in
+    steps = iter(range(10**6))
+
+    def on_step(plan, finished):
+        step = next(steps)
+        for request in finished:
+            finished_at[request.request_id] = step
+
+    stats = engine.run(requests, on_step=on_step)
+    assert stats.offload.offloaded_tokens > 0
+    steps = [finished_at[i] for i in range(len(prompts))]
+    assert steps == sorted(steps), steps
+    assert all(len(r.output_ids) == MAX_NEW_TOKENS for r in requests)
+
+
+def test_host_tier_too_small_ends_the_newest_request_with_its_name():
+    """No room on the host to make room in the pool: the newest request ends with an error naming
+    host_kv_capacity_tokens, keeping the tokens it made (the unconstrained run's), and the others complete."""
+    prompts = BATCH.prompts
+    params = {"max_new_tokens": MAX_NEW_TOKENS, "min_new_tokens": MAX_NEW_TOKENS, "do_sample": False}
+    reference = sparsespec.wrap(SPEC.build(), draft=None, **UNCONSTRAINED).generate_batch(prompts, **params)
+    wrapped = sparsespec.wrap(SPEC.build(), draft=None, host_kv_capacity_tokens=1, **TIGHT)
+    outputs = wrapped.generate_batch(prompts, **params)
+    failed = [o for o in outputs if o.finish_reason == "error"]
+    assert failed, "the host tier of one token made room for every request"
+    assert all("host_kv_capacity_tokens=1" in o.error for o in failed), failed[0].error
+    assert any(o.finish_reason == "length" for o in outputs)
+    for output, expected in zip(outputs, reference, strict=True):
+        assert output.token_ids == expected.token_ids[: len(output.token_ids)]
+        if output.finish_reason == "length":
+            assert len(output.token_ids) == MAX_NEW_TOKENS
+    assert_no_slot_leak(wrapped)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"offload": True, "host_kv_capacity_tokens": 0}, "host_kv_capacity_tokens must be None or an integer >= 1"),
+        ({"host_kv_capacity_tokens": 100}, "pass offload=True or leave it at None"),
+    ],
+)
+def test_bad_host_tier_options_are_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        sparsespec.wrap(SPEC.build(), **options)
