@@ -28,7 +28,7 @@ MIN_SPLIT_ENTRIES = 256  # a KV split never holds fewer list entries than this
 MAX_SPLITS = 64
 # A program's fixed cost in blocks of list entries (pipeline fill, its partial output and the merge's read of
 # it): what one more split costs against shorter chunks. Fitted on the H200: over the (point, case) pairs timed
-# under several split counts (docs/performance.md, "Split planning"), the simulated launch time (``_makespan``)
+# under several split counts (benchmarks/results/kernels_h200_splits.jsonl), the simulated launch time (``_makespan``)
 # at 2 blocks orders 361 of the 377 pairs that differ by 4% or more as measured (3 or 4 blocks do as well).
 SPLIT_OVERHEAD_BLOCKS = 2
 # Programs a launch keeps resident where no GPU says (the CPU interpreter): four on each of an H200's 132 SMs.
@@ -559,7 +559,7 @@ LAUNCH_OVERRIDE: LaunchConfig | None = None
 
 
 def _launch_config(head_dim: int, block_m: int, dtype: torch.dtype) -> LaunchConfig:
-    """Tile and pipeline shape, from sweeps on the H200 (bf16; docs/performance.md, kernel sweeps 2 and 3).
+    """Tile and pipeline shape, from sweeps on the H200 (bf16; benchmarks/results/kernels_h200_sweep2/3.jsonl).
     head_dim 64: one-token tiles (decodes, drafts) read 64 entries per iteration with 2 warps and 3 stages;
     32-row tiles (verifies: 9 queries x 3 heads) 128 entries with 2 warps (437 vs 458 us with 4 warps at
     256 x 8K, sweep 3), larger tiles (prefill) 128 with 4 warps. head_dim 128: 64 entries, 4 warps, 3 stages

@@ -1,9 +1,10 @@
-"""GPU micro-benchmarks behind two choices of the token-selection and PillarAttn paths (docs/performance.md,
-"sixth session"): ``topk`` and ``sort`` by dtype at W1's shapes (PillarAttn's Top-K over 30 layers x 3 KV heads x
-256 requests x 6.4K candidates, the successor sort, the vocabulary top-50 of 256 and 2,304 rows), and the mass
-kernel's launch configurations at one layer of W1 at 6.5K context. Random data; CUDA only.
+"""GPU micro-benchmarks behind two choices of the token-selection and PillarAttn paths (raw H200 output:
+``results/micro_topk_mass_h200.txt``): ``topk`` and ``sort`` by dtype at W1's shapes (PillarAttn's Top-K over
+30 layers x 3 KV heads x 256 requests x 6.4K candidates, the successor sort, the vocabulary top-50 of 256 and
+2,304 rows), and the mass kernel's launch configurations at one layer of W1 at 6.5K context. Random data; CUDA
+only.
 
-    python benchmarks/topk_mass_micro.py > docs/micro_topk_mass_h200.txt
+    python benchmarks/topk_mass_micro.py > benchmarks/results/micro_topk_mass_h200.txt
 """
 
 from collections.abc import Callable
