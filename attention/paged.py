@@ -564,7 +564,7 @@ def _launch_config(head_dim: int, block_m: int, dtype: torch.dtype) -> LaunchCon
     32-row tiles (verifies: 9 queries x 3 heads) 128 entries with 2 warps (437 vs 458 us with 4 warps at
     256 x 8K, sweep 3), larger tiles (prefill) 128 with 4 warps. head_dim 128: 64 entries, 4 warps, 3 stages
     for every tile (Qwen3-8B 32 x 8K verify 291 vs 370 us with 128 entries, whose 214 KB of shared memory
-    left one program per SM; decode 247 vs 303 us with 8 warps). A mixed launch takes its heavier set's shape.
+    left one program per SM; decode 247 vs 303 us with 8 warps).
     fp32 (exact dots, tests and parity runs) uses small tiles: its FMA-unrolled dots over bigger tiles spill
     (~30,000 spilled registers at head_dim 128 x 64 rows x 128 entries) and take over a minute to compile."""
     if LAUNCH_OVERRIDE is not None:
@@ -668,11 +668,14 @@ def paged_attention(
     ]
     block_m = [_block_m(q_len * group) for q_len in q_lens]
     tiles = [triton.cdiv(q_len * group, m) for q_len, m in zip(q_lens, block_m, strict=True)]
-    heaviest = max(range(2), key=lambda i: requests[i] * tiles[i] * kv_lens[i])
+    # One pipeline for both sets: the larger tile's. Chosen by which sets are present, not by their sizes: a
+    # choice by the heavier set's work flipped as a draining batch mixed a few verifies with many drafts, and
+    # each flip compiled another variant of this kernel mid-run (~1 s each).
+    tile = max((m for m, r, t in zip(block_m, requests, tiles, strict=True) if r * t), default=block_m[1])
     device = query.device
     budget = _shared_memory_budget(device.index or 0) if device.type == "cuda" else None
-    launch = _fit_shared_memory(  # one pipeline for both sets: the heavier one's
-        _launch_config(head_dim, block_m[heaviest], query.dtype), _block_d(head_dim) * k_cache.element_size(), budget
+    launch = _fit_shared_memory(
+        _launch_config(head_dim, tile, query.dtype), _block_d(head_dim) * k_cache.element_size(), budget
     )
     lists = [(first.kv_indptr, first.kv_indices), (kv_indptr, kv_indices)]
     constexprs = dict(
@@ -716,9 +719,12 @@ def paged_attention(
     else:
         sizes = tuple((r * t * num_kv_heads, n) for r, t, n in zip(requests, tiles, kv_lens, strict=True))
         config = (query.dtype, k_cache.dtype, *constexprs.items())
-        splits = _planned_splits(
+        planned = _planned_splits(
             _attention_kernel, device, config, sizes, launch.block_n, lambda plan: bind(plan)[1], constexprs
         )
+        # A set with no programs is not split: its outputs stay the direct ones whatever its list-length hint,
+        # so their pointer type (part of a compiled variant's key) follows which sets run, not the hint.
+        splits = tuple(n if r * t else 1 for n, r, t in zip(planned, requests, tiles, strict=True))
     programs, args, part = bind(splits)
     _attention_kernel[(programs,)](*args, **constexprs)
     if part is not None:

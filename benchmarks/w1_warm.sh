@@ -10,5 +10,8 @@ settings=("$@")
 [ ${#settings[@]} -gt 0 ] || settings=(none pillar_recent pillar_recent-delayed_verify)
 python3 -m torchspec.bench.throughput --model "$model" --prompts 256 --max-new-tokens 2048 --temperature 0.65 \
     --drafts pillar_recent > /dev/null
+# Long contexts (PillarAttn's Top-K past ~6K tokens takes another variant; W1 compiled it 35 s into its run).
+python3 -m torchspec.bench.throughput --model "$model" --prompts 16 --max-new-tokens 8192 --temperature 0.65 \
+    --drafts pillar_recent > /dev/null
 python3 -m torchspec.bench.throughput --model "$model" --prompts 256 --max-new-tokens 8192 --temperature 0.65 \
     --drafts "${settings[@]}" --out "$out"

@@ -55,7 +55,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
         self.layers = probe_attention_layers(model)
         # Refuse a bad pairing now, not at first use.
         draft_chain = use_draft_chain(config.draft_chain, POLICIES.get(config.draft), config.unified_schedule)
-        use_adaptive_rounds(config.adaptive_rounds, draft_chain, self.device)
+        use_adaptive_rounds(config.adaptive_rounds, draft_chain)
         self.last_stats = GenerationStats()
         self._engine: Engine | None = None
 

@@ -63,17 +63,16 @@ def use_draft_chain(
     return False
 
 
-def use_adaptive_rounds(setting: bool | None, draft_chain: bool, device: torch.device) -> bool:
-    """Whether each step's round length is chosen from measured costs (torchspec/round_length.py): ``None`` = on
-    with draft chains on CUDA, where a step is a whole round and its cost can be timed; elsewhere every round
-    drafts k (so a CPU run is reproducible step for step)."""
+def use_adaptive_rounds(setting: bool, draft_chain: bool) -> bool:
+    """Whether each step's round length is chosen from measured costs (torchspec/round_length.py); it needs
+    draft chains, where a step is a whole round and its cost can be timed."""
     if setting and not draft_chain:
         raise ValueError(
             "adaptive_rounds=True needs draft chains (a step must be a whole round to time it): use a draft "
             "policy that drafts in chains (not draft=None, 'ngram' or 'sparsespec_l') with draft_chain=None or True "
             "and unified_schedule=False"
         )
-    return draft_chain and device.type == "cuda" if setting is None else setting
+    return setting
 
 
 @contextlib.contextmanager
@@ -147,7 +146,7 @@ class Engine:
         default = self.policy is None or (ahead_capable and self.device.type == "cuda")
         self.delayed_verify = default if config.delayed_verify is None else config.delayed_verify
         self.rounds_ahead = self.delayed_verify and ahead_capable
-        self.adaptive_rounds = use_adaptive_rounds(config.adaptive_rounds, self.draft_chain, self.device)
+        self.adaptive_rounds = use_adaptive_rounds(config.adaptive_rounds, self.draft_chain)
         self._run_start = time.perf_counter()
         self._run_steps = 0
 
@@ -209,6 +208,7 @@ class Engine:
             else:
                 scheduler.add(request)
         self.runner.table.reset()
+        self.runner.list_bound = max((request.max_total_tokens for request in requests), default=0)
         in_flight: LaunchedStep | None = None  # launched, not yet read back (delayed verification)
         last_commit: float | None = None  # when the last step was read back and applied
         captures = self.runner.num_captures  # graph captures as of the last step applied

@@ -58,6 +58,7 @@ class Runner:
         self.policy = policy
         self.generator = generator
         self.num_draft_slots = policy.config.k if policy is not None else 0
+        self.list_bound = 0  # the most tokens a request of the current generation may hold (graph list bounds)
         self.windows = sorted({layer.sliding_window for layer in layers if layer.sliding_window is not None})
         self.num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
         self.table = SlotTable(device)
@@ -606,10 +607,13 @@ class Runner:
         return logits, first_row
 
     def _max_list_len(self, items: Sequence[ScheduledRequest]) -> int:
-        """A bound on the full lists of ``items`` for graph buckets (0 without graphs: nothing reads it)."""
+        """A bound on the full lists of ``items`` for graph buckets (0 without graphs: nothing reads it): the
+        longest any request of the generation may reach (``list_bound``, set by the engine), so that a bucket
+        made before every request was admitted is not outgrown (and captured again) when a longer one runs."""
         if self.graphs is None:
             return 0
-        return max(item.request.max_total_tokens for item in items) + self.num_draft_slots
+        self.list_bound = max(self.list_bound, *(item.request.max_total_tokens for item in items))
+        return self.list_bound + self.num_draft_slots
 
     def _logits(
         self,

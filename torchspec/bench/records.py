@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ ENGINE_SWITCHES = {
     "delayed_verify": "launch each step before reading the last one back; with speculation the batch's halves "
     "alternate (auto: on without speculation)",
     "draft_chain": "a request drafts its whole round in one engine step (auto: where the policy allows)",
-    "adaptive_rounds": "choose each step's round length from measured costs (auto: on with draft chains on CUDA)",
+    "adaptive_rounds": "choose each step's round length from measured costs (auto: off)",
     "fuse_layers": "one GEMM for q/k/v and gate/up, one kernel per norm, RoPE, SiLU x mul (auto: on)",
     "unified_schedule": "spread the requests' rounds over a round's phases, one forward per step (auto: off)",
     "offload": "admit requests by the KV they hold and move the newest to host memory when the pool is short "
@@ -93,3 +94,40 @@ def append_record(path: str | None, record: dict[str, Any]) -> None:
     if path:
         with open(path, "a") as sink:
             sink.write(json.dumps(record) + "\n")
+
+
+class KernelCompiles:
+    """Triton kernels compiled (or loaded from Triton's disk cache) while it is active: ``events`` holds
+    ``(seconds since start, seconds taken, kernel: its cache key)`` in order. A run that compiles a
+    kernel variant mid-run pays ~1 s a variant where the step takes milliseconds; this names which variant."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, float, str]] = []
+        self._started: dict[Any, float] = {}
+        self._start = 0.0
+
+    def __enter__(self) -> KernelCompiles:
+        from triton import knobs
+
+        self._runtime = knobs.runtime
+        self._saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+        self._start = time.perf_counter()
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._miss, self._compiled
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._saved
+
+    def _miss(self, **info: Any) -> bool:
+        self._started[str(info.get("key"))] = time.perf_counter()
+        return False  # compile as usual
+
+    def _compiled(self, **info: Any) -> bool:
+        now = time.perf_counter()
+        key = str(info.get("key"))
+        began = self._started.pop(key, now)
+        # The key holds what tells two variants apart: argument types with their specialisations (an int equal
+        # to 1 or a multiple of 16, a 16-byte aligned pointer) and the compile-time constants.
+        name = getattr(info.get("fn"), "name", "?")
+        self.events.append((began - self._start, now - began, f"{name}: {key}"[:1500]))
+        return False

@@ -30,6 +30,7 @@ import torch
 
 from torchspec import sparsespec
 from torchspec.bench.records import (
+    KernelCompiles,
     add_engine_arguments,
     add_model_arguments,
     append_record,
@@ -129,7 +130,8 @@ def measure(
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(seed)  # after the warm-up: the timed run samples the same with or without one
     start, cpu_start = time.perf_counter(), time.process_time()
-    outputs = generate(max_new_tokens)
+    with KernelCompiles() as compiles:
+        outputs = generate(max_new_tokens)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = wrapped.last_stats
     graphs = wrapped.engine.runner.graphs
@@ -164,6 +166,9 @@ def measure(
         # What each capture was and why it was made: {kind: why: [captures, seconds]}, then every one in order.
         "graph_captures_by_reason": None if graphs is None else graphs.captures.by_reason(),
         "graph_capture_events": None if graphs is None else graphs.captures.events,
+        # Triton kernels compiled during the timed call: (seconds into it, seconds taken, which variant).
+        "kernel_compiles": compiles.events,
+        "kernel_compile_s": sum(taken for _, taken, _ in compiles.events),
         "kv_capacity_tokens": wrapped.engine.kv_capacity_tokens,
         # The KV host tier (offload): K/V rows moved out and back, peak use of both tiers, host time copying.
         "offload": None if stats.offload is None else dataclasses.asdict(stats.offload),
