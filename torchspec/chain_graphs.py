@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchspec.cuda_graphs import StepGraphs
+from torchspec.cuda_graphs import SharedStorage, StepGraphs
 from torchspec.draft_sampling import DraftSampling
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 
@@ -98,6 +98,7 @@ class ChainGraphs:
         self.capture = steps.capture
         self.captures = steps.captures  # one log for both kinds of graph
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # every chain graph's pool
+        self._lists = SharedStorage(torch.int64, self.device)  # every bucket's draft lists
         self.k = k
         self.generator = generator
         self._steps: dict[int, _ChainStep] = {}
@@ -146,7 +147,10 @@ class ChainGraphs:
             positions=zeros(later, size),
             slots=zeros(later, size),
             indptr=zeros(later, size + 1),
-            lists=zeros(len(self.sparse_layers), heads, capacity),
+            lists=self._lists.view(
+                (len(self.sparse_layers), heads, capacity),
+                reserve=len(self.sparse_layers) * heads * capacity * self.buckets[-1] // size,
+            ),
             list_hint=hint,
             tokens=zeros(self.k, size),
             cu_seqlens_q=torch.arange(size + 1, device=self.device),

@@ -18,6 +18,7 @@ On a CPU the same static path runs without capture (tested in CI: same tokens as
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,15 @@ from typing import TypeVar
 
 import torch
 
-from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context, verify_mass_buffer
+from attention.reference import MASS_DTYPE
+from torchspec.hf import (
+    AttentionMetadata,
+    KVView,
+    PagedForwardContext,
+    forward_context,
+    verify_mass_buffer,
+    verify_mass_shape,
+)
 from torchspec.kv_cache import KVPool
 from torchspec.transfer import to_device
 
@@ -37,6 +46,27 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     """Padded request counts: powers of two to 32, then every 32 (a step pads at most 31 requests past 32)."""
     small = [size for size in (1, 2, 4, 8, 16, 32) if size < max_batch_size]
     return [*small, *range(64, max_batch_size, 32), max_batch_size]
+
+
+class SharedStorage:
+    """One flat storage that the buffers of graphs never running at the same time take views of: each is filled
+    before its graph replays, or written by its graph and read before the next forward runs (one stream). A
+    buffer per bucket multiplied the memory by the buckets a draining batch passes (at 1,024 requests, 36 of
+    them: ~26 GB of verify mass alone; W3 ran out of memory). A view larger than the storage gets a new one;
+    graphs captured before keep theirs."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype = dtype
+        self.device = device
+        self._storage: torch.Tensor | None = None
+
+    def view(self, shape: Sequence[int], reserve: int = 0) -> torch.Tensor:
+        """A zeroed ``shape`` view of the storage; a new storage holds at least ``reserve`` elements (room for
+        the larger buckets to come)."""
+        needed = math.prod(shape)
+        if self._storage is None or self._storage.numel() < needed:
+            self._storage = torch.empty(max(needed, reserve), dtype=self.dtype, device=self.device)
+        return self._storage[:needed].view(*shape).zero_()
 
 
 @dataclass
@@ -85,6 +115,8 @@ class StepGraphs:
         self.capture = device.type == "cuda"
         self._steps: dict[tuple[int, int], _StaticStep] = {}
         self._last: _StaticStep | None = None  # the bucket replayed most recently
+        self._mass = SharedStorage(MASS_DTYPE, device)  # every bucket's verify mass
+        self._draft_lists = SharedStorage(torch.int64, device)  # every bucket's draft lists
         self.captures = CaptureLog()
 
     def eligible(self, metadata: AttentionMetadata, prefill: bool) -> bool:
@@ -164,7 +196,14 @@ class StepGraphs:
         draft_lists, draft = None, {}
         if num_drafts:
             indptr = zeros(num_drafts + 1)
-            draft_lists = zeros(len(self.sparse_layers), max(self.sparse_layers.values()), draft_capacity)
+            draft_lists = self._draft_lists.view(
+                (len(self.sparse_layers), max(self.sparse_layers.values()), draft_capacity),
+                reserve=len(self.sparse_layers)
+                * max(self.sparse_layers.values())
+                * draft_capacity
+                * self.buckets[-1]
+                // num_drafts,
+            )
             draft = {
                 layer: KVView(indptr, draft_lists[i, :heads], draft_hint)
                 for i, (layer, heads) in enumerate(self.sparse_layers.items())
@@ -174,7 +213,7 @@ class StepGraphs:
         scored = self.scores and num_verifies > 0
         mass, mass_layers = None, {}
         if scored:
-            mass, mass_layers = verify_mass_buffer(self.sparse_layers, num_verifies, full_hint, self.device)
+            mass, mass_layers = self._mass_buffer(num_verifies, full_hint)
         metadata = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), self.pool.scratch_slot, dtype=torch.int64, device=self.device),
             cu_seqlens_q=cu_seqlens_q,
@@ -198,6 +237,15 @@ class StepGraphs:
             draft_capacity=draft_capacity,
             full_capacity=full_capacity,
             draft_lists=draft_lists,
+        )
+
+    def _mass_buffer(self, num_verifies: int, width: int) -> tuple[torch.Tensor, dict[int, int]]:
+        """A bucket's verify mass, a view of the storage every bucket shares (PillarAttn's Top-K reads a step's
+        mass before the next forward), with room for the largest bucket."""
+        largest = math.prod(verify_mass_shape(self.sparse_layers, self.buckets[-1], width))
+        shape = verify_mass_shape(self.sparse_layers, num_verifies, width)
+        return verify_mass_buffer(
+            self.sparse_layers, num_verifies, width, self.device, out=self._mass.view(shape, largest)
         )
 
     def _fill(

@@ -69,17 +69,29 @@ class AttentionMetadata:
         self.cu_seqlens_q_full = self.cu_seqlens_q[self.num_drafts :] - self.num_drafts
 
 
-def verify_mass_buffer(
-    layer_heads: dict[int, int], verifies: int, width: int, device: torch.device
-) -> tuple[torch.Tensor, dict[int, int]]:
-    """Storage for a step's verify mass (``AttentionMetadata.mass``) over the full-attention layers
-    ``layer_heads`` (layer -> KV heads, in the draft policy's order), and each layer's index in it. Rows are
-    padded to 16 bytes, so every layer's slab starts 16-byte aligned: Triton specialises a kernel on its
-    pointers' alignment, and slabs aligned on alternate layers would compile the mass kernel twice."""
-    heads = max(layer_heads.values(), default=0)
+def verify_mass_shape(layer_heads: dict[int, int], verifies: int, width: int) -> tuple[int, int, int, int]:
+    """``[layers, KV heads, verifies, width]`` of a verify mass buffer. Rows are padded to 16 bytes, so every
+    layer's slab starts 16-byte aligned: Triton specialises a kernel on its pointers' alignment, and slabs
+    aligned on alternate layers would compile the mass kernel twice."""
     per_16_bytes = 16 // MASS_DTYPE.itemsize
-    width = -(-width // per_16_bytes) * per_16_bytes
-    mass = torch.zeros(len(layer_heads), heads, verifies, width, dtype=MASS_DTYPE, device=device)
+    return len(layer_heads), max(layer_heads.values(), default=0), verifies, -(-width // per_16_bytes) * per_16_bytes
+
+
+def verify_mass_buffer(
+    layer_heads: dict[int, int],
+    verifies: int,
+    width: int,
+    device: torch.device,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[int, int]]:
+    """A zeroed buffer for a step's verify mass (``AttentionMetadata.mass``) over the full-attention layers
+    ``layer_heads`` (layer -> KV heads, in the draft policy's order), and each layer's index in it. ``out``: a
+    zeroed tensor of ``verify_mass_shape`` to use instead (graphs share one storage)."""
+    mass = (
+        out
+        if out is not None
+        else torch.zeros(verify_mass_shape(layer_heads, verifies, width), dtype=MASS_DTYPE, device=device)
+    )
     return mass, {layer: index for index, layer in enumerate(layer_heads)}
 
 

@@ -70,7 +70,7 @@ def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
     """Greedy generation with the static path equals plain dynamic decoding token for token, for plain
     decoding and sparse drafts: 3 decoding requests pad to a bucket of 4 (padding writes the scratch slot,
     reads nothing), and speculative steps mixing drafts and verifies (PillarAttn's verify scores included)
-    really ran through the buckets.
+    really ran through the buckets, their verify mass in one storage that the buckets share.
 
     Protects the padding and buffer refresh of cuda_graphs.py: a stale slot list or query offset, a padding
     request that reads or writes a real slot, a verify score read at the wrong entry, or a wrong row of
@@ -90,6 +90,10 @@ def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
     else:
         assert any(drafts and verifies for drafts, verifies in buckets), buckets
         assert runner.chain_graphs._steps, "no draft chain ran through the chain graph"
+    # Every bucket's verify mass is a view of one storage (a buffer per bucket ran W3 out of memory).
+    masses = [step.metadata.mass for step in runner.graphs._steps.values() if step.metadata.mass is not None]
+    storages = {mass.untyped_storage().data_ptr() for mass in masses}
+    assert len(storages) == (1 if draft == "pillar_recent" else 0), storages
 
 
 @pytest.mark.parametrize("sampling", [{"do_sample": False}, {"do_sample": True, "top_k": 5, "top_p": 0.9}])
