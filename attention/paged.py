@@ -33,8 +33,6 @@ MAX_SPLITS = 64
 SPLIT_OVERHEAD_BLOCKS = 2
 # Programs a launch keeps resident where no GPU says (the CPU interpreter): four on each of an H200's 132 SMs.
 NOMINAL_RESIDENT_PROGRAMS = 528
-#: Forces the split count of every launch (the kernel benchmark's ``--splits``); None = the planner's choice.
-SPLIT_OVERRIDE: int | None = None
 #: Resident programs per (device, dtypes, compile-time configuration) of the attention kernel, read once from its
 #: compiled form (``_resident_programs``).
 _RESIDENT: dict[tuple, int] = {}
@@ -511,7 +509,7 @@ def _split_counts(sets: tuple[tuple[int, int], ...], resident: int, min_chunk: i
 
 def _planned_splits(
     kernel, device: torch.device, config: tuple, lists: tuple[tuple[int, int], ...], block_n: int,
-    args_for: Callable[[tuple[int, ...]], list], constexprs: dict,
+    args_for: Callable[[tuple[int, ...]], list], constexprs: dict, overhead: int = SPLIT_OVERHEAD_BLOCKS,
 ) -> tuple[int, ...]:  # fmt: skip
     """Split count per list set (``(programs per split, longest list in entries)`` each) of a launch of
     ``kernel``, planned against the programs its compiled form keeps resident: on a GPU read once per device and
@@ -523,11 +521,11 @@ def _planned_splits(
     if device.type == "cuda":
         key = (kernel.fn.__name__, device, *config)
         if key not in _RESIDENT:
-            nominal = _split_counts(sizes, NOMINAL_RESIDENT_PROGRAMS, min_chunk, SPLIT_OVERHEAD_BLOCKS)
+            nominal = _split_counts(sizes, NOMINAL_RESIDENT_PROGRAMS, min_chunk, overhead)
             compiled = kernel.warmup(*args_for(nominal), grid=(1,), **constexprs)
             _RESIDENT[key] = _resident_programs(compiled, torch.cuda.get_device_properties(device))
         resident = _RESIDENT[key]
-    return _split_counts(sizes, resident, min_chunk, SPLIT_OVERHEAD_BLOCKS)
+    return _split_counts(sizes, resident, min_chunk, overhead)
 
 
 def _resident_programs(compiled, props) -> int:
@@ -554,10 +552,6 @@ class LaunchConfig:
     num_stages: int
 
 
-#: Forces one launch configuration (the kernel benchmark's ``--sweep``); None = ``_launch_config``'s choice.
-LAUNCH_OVERRIDE: LaunchConfig | None = None
-
-
 def _launch_config(head_dim: int, block_m: int, dtype: torch.dtype) -> LaunchConfig:
     """Tile and pipeline shape, from sweeps on the H200 (bf16; benchmarks/results/kernels_h200_sweep2/3.jsonl).
     head_dim 64: one-token tiles (decodes, drafts) read 64 entries per iteration with 2 warps and 3 stages;
@@ -567,8 +561,6 @@ def _launch_config(head_dim: int, block_m: int, dtype: torch.dtype) -> LaunchCon
     left one program per SM; decode 247 vs 303 us with 8 warps).
     fp32 (exact dots, tests and parity runs) uses small tiles: its FMA-unrolled dots over bigger tiles spill
     (~30,000 spilled registers at head_dim 128 x 64 rows x 128 entries) and take over a minute to compile."""
-    if LAUNCH_OVERRIDE is not None:
-        return LAUNCH_OVERRIDE
     if dtype == torch.float32:
         return LaunchConfig(32, 4, 2)
     if head_dim > 64:
@@ -637,13 +629,17 @@ def paged_attention(
     max_kv_len: int | None = None,
     first_lists: FirstLists | None = None,
     num_splits: int | tuple[int, int] | None = None,
+    launch: LaunchConfig | None = None,
+    split_overhead: int = SPLIT_OVERHEAD_BLOCKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`attention.reference.paged_attention` (same arguments and results).
 
     ``max_q_len``/``max_kv_len`` bound the query and list lengths of the requests that read
     ``kv_indptr``/``kv_indices`` (read from the tensors when omitted, at the cost of a device sync);
     ``first_lists`` gives the first requests their own lists (one launch for drafts and verifies);
-    ``num_splits`` forces the KV split count, of both list sets or ``(first, second)`` (tests).
+    ``num_splits`` forces the KV split count, of both list sets or ``(first, second)``; ``launch`` the tile
+    and pipeline shape; ``split_overhead`` is the split planner's per-program cost in blocks (tests and the
+    kernel benchmark's sweeps; by default the planner and ``_launch_config`` choose).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
@@ -675,7 +671,7 @@ def paged_attention(
     device = query.device
     budget = _shared_memory_budget(device.index or 0) if device.type == "cuda" else None
     launch = _fit_shared_memory(
-        _launch_config(head_dim, tile, query.dtype), _block_d(head_dim) * k_cache.element_size(), budget
+        launch or _launch_config(head_dim, tile, query.dtype), _block_d(head_dim) * k_cache.element_size(), budget
     )
     lists = [(first.kv_indptr, first.kv_indices), (kv_indptr, kv_indices)]
     constexprs = dict(
@@ -713,14 +709,20 @@ def paged_attention(
                 v_cache.stride(0), v_cache.stride(1), scale * LOG2E, sliding_window or 0]  # fmt: skip
         return sum(programs), args, part
 
-    num_splits = num_splits if num_splits is not None else SPLIT_OVERRIDE
     if num_splits is not None:
         splits = num_splits if isinstance(num_splits, tuple) else (num_splits, num_splits)
     else:
         sizes = tuple((r * t * num_kv_heads, n) for r, t, n in zip(requests, tiles, kv_lens, strict=True))
         config = (query.dtype, k_cache.dtype, *constexprs.items())
         planned = _planned_splits(
-            _attention_kernel, device, config, sizes, launch.block_n, lambda plan: bind(plan)[1], constexprs
+            _attention_kernel,
+            device,
+            config,
+            sizes,
+            launch.block_n,
+            lambda plan: bind(plan)[1],
+            constexprs,
+            split_overhead,
         )
         # A set with no programs is not split: its outputs stay the direct ones whatever its list-length hint,
         # so their pointer type (part of a compiled variant's key) follows which sets run, not the hint.
@@ -775,12 +777,13 @@ def attention_mass(
     max_scored: int | None = None,
     max_kv_len: int | None = None,
     num_splits: int | None = None,
+    split_overhead: int = SPLIT_OVERHEAD_BLOCKS,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`attention.reference.attention_mass` (same arguments and result): a second
     pass over the K rows of scored requests only, re-materialising probabilities from the returned LSE.
-    Each list is cut into ``num_splits`` chunks (tests; default: planned like the attention's splits, which
-    here need no merge: every entry's mass is written once)."""
+    Each list is cut into ``num_splits`` chunks (tests and the kernel benchmark; default: planned like the
+    attention's splits, with ``split_overhead``, which here need no merge: every entry's mass is written once)."""
     num_kv_heads = k_cache.shape[1]
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
@@ -813,12 +816,11 @@ def attention_mass(
                 query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), lse.stride(0),
                 lse.stride(1), mass.stride(0), mass.stride(1), scale * LOG2E]  # fmt: skip
 
-    num_splits = num_splits if num_splits is not None else SPLIT_OVERRIDE
     if num_splits is None:
         sizes = ((0, 0), (num_requests * num_kv_heads, max_kv_len))
         config = (query.dtype, k_cache.dtype, *constexprs.items())
         num_splits = _planned_splits(
-            _mass_kernel, device, config, sizes, BLOCK_N, lambda plan: args(plan[1]), constexprs
+            _mass_kernel, device, config, sizes, BLOCK_N, lambda plan: args(plan[1]), constexprs, split_overhead
         )[1]
     _mass_kernel[(num_requests, num_kv_heads, num_splits)](*args(num_splits), **constexprs)
     return mass

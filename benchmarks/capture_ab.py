@@ -1,6 +1,6 @@
 """Does emptying the allocator's caches on every capture cost a draining batch? (CUDA only.)
 
-    python benchmarks/capture_ab.py OUT.jsonl
+    python -m benchmarks.capture_ab OUT.jsonl   # from the repository root
 
 ``torch.cuda.graph`` synchronises the device and empties the device and pinned-host caches on entry, made for
 captures at start-up; the engine captures mid-run, at every new bucket. This runs the engine's capture as it is
@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from benchmarks.step_profile import random_model
 from torchspec import cuda_graphs, sparsespec
-from torchspec.bench.step_profile import random_model
 
 BATCHES = (256, 160, 96, 48, 24, 12, 6, 3, 1)
 

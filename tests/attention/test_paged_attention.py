@@ -387,14 +387,14 @@ def test_split_kv_matches_one_pass(num_splits, window):
 
 
 def test_a_forced_split_count_reaches_every_launch(monkeypatch):
-    """``SPLIT_OVERRIDE`` (the kernel benchmark's ``--splits``) replaces the planner's split count: the launch
-    is split 3 ways and the merge combines 3 partial results, and the output is still the unsplit one."""
+    """``num_splits`` (the kernel benchmark's ``--splits``) replaces the planner's split count: the launch is
+    split 3 ways and the merge combines 3 partial results, and the output is still the unsplit one."""
     batch = _Batch([(1, 300), (5, 200)], 6, 2, 64, seed=5)
     merges = []
     merge = paged._merge_splits_kernel
-    monkeypatch.setattr(paged, "SPLIT_OVERRIDE", 3)
     monkeypatch.setattr(paged, "_merge_splits_kernel", _Recording(merge, merges))
-    _check(batch.run(IMPLEMENTATIONS["triton"][0], *batch.shared_lists(), None), batch.expected_shared(None))
+    result = batch.run(IMPLEMENTATIONS["triton"][0], *batch.shared_lists(), None, num_splits=3)
+    _check(result, batch.expected_shared(None))
     values = dict(zip(merge.arg_names, merges[0], strict=False))
     assert (values["splits_first"], values["splits_second"]) == (3, 3)
 
@@ -541,7 +541,7 @@ def test_attention_mass_splits_cover_every_entry_once(num_splits):
 def test_kernel_benchmark_measures_every_case_of_a_small_point(tmp_path):
     """The benchmark times every case of ours at one small point (no dense baselines asked for) and reports it
     (GPU only)."""
-    from torchspec.bench import kernels
+    from benchmarks import kernels
 
     records = kernels.measure(kernels.Case(kernels.SHAPES["smollm2"], 8, 1024), baselines=False)
     assert {r["case"] for r in records} == set(kernels.OUR_CASES) <= set(kernels.COLUMNS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchspec.bench import kernel_case, kernels
+from benchmarks import kernel_case, kernels
 
 
 def _record(case: str, ms: float, **setting) -> dict:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks import decode_step, host_step, step_profile
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
-from torchspec.bench import decode_step, host_step, step_profile
 from torchspec.bench.records import parse_setting
 from torchspec.bench.throughput import main, measure
 from torchspec.kv_cache import bytes_per_token

@@ -100,7 +100,7 @@ def test_a_fused_layer_dispatches_eight_ops():
     a decode step is two RMSNorms, two GEMMs, two GEMMs adding into the residual stream in place (an out-of-place
     ``addmm`` would copy the residual first on CUDA: one more kernel each), one SiLU x mul and the attention op
     (rotary embedding, K/V store and attention inside); unfused it is transformers' ~38."""
-    from torchspec.bench.layer_ops import layer_ops
+    from benchmarks.layer_ops import layer_ops
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fused = layer_ops(fuse_layers=True, device=device)

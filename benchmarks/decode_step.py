@@ -1,6 +1,6 @@
 """One decode step of a full batch at a long context, against the HBM roofline.
 
-    python -m torchspec.bench.decode_step --batch 256 --context 4096 --out step.jsonl
+    python -m benchmarks.decode_step --batch 256 --context 4096 --out step.jsonl
 
 Prefills ``--batch`` requests of ``--context`` prompt tokens (token ids drawn at random: the attention
 and matmul work of a step does not depend on the text), then times ``--steps`` plain decoding steps

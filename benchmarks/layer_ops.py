@@ -1,8 +1,8 @@
 """Tensor ops one decode step dispatches per decoder layer, with and without fused layers: what a layer launches
 on a GPU, counted on any machine.
 
-    python -m torchspec.bench.layer_ops                       # on a GPU
-    TRITON_INTERPRET=1 python -m torchspec.bench.layer_ops    # elsewhere: the kernels in Triton's interpreter
+    python -m benchmarks.layer_ops                       # on a GPU
+    TRITON_INTERPRET=1 python -m benchmarks.layer_ops    # elsewhere: the kernels in Triton's interpreter
 
 A random model of SmolLM2's widths (vocabulary cut to 1,000) with one layer, then with two, decodes one step
 for 2 requests (``draft=None``, the Triton op set, eager: with CUDA graphs a GPU would count the capture's
@@ -19,8 +19,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.step_profile import random_model
 from torchspec import sparsespec
-from torchspec.bench.step_profile import random_model
 
 VIEW_OPS = frozenset(
     {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "slice",

@@ -1,6 +1,6 @@
 """Host time of an engine step on its own: the decoding forward replaced by random logits.
 
-    python -m torchspec.bench.host_step --batch 256 --drafts none pillar_recent pillar_recent+delayed_verify
+    python -m benchmarks.host_step --batch 256 --drafts none pillar_recent pillar_recent+delayed_verify
 
 With CUDA graphs the GPU forward of a decoding step is one replay, so what remains of a step is host work:
 scheduling, slot lists, token selection, speculation bookkeeping. This measures that floor on any machine (no
@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
+import torchspec
 from torchspec import sparsespec
 from torchspec.bench.records import append_record, environment, parse_setting
 from torchspec.request import SamplingParams
@@ -38,8 +39,7 @@ from torchspec.scheduler import Phase
 
 VOCAB_SIZE = 512
 TOP_SITES = 25  # engine lines reported by ops dispatched
-ENGINE_ROOT = Path(__file__).resolve().parents[1]  # the torchspec package
-BENCH_ROOT = Path(__file__).resolve().parent
+ENGINE_ROOT = Path(torchspec.__file__).resolve().parent  # the torchspec package
 
 
 def _tiny_model(seed: int) -> torch.nn.Module:
@@ -115,10 +115,10 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _engine_site(frame: types.FrameType | None) -> str:
-    """Where the engine dispatched an op: the innermost frame in ``torchspec`` outside the benchmarks."""
+    """Where the engine dispatched an op: the innermost frame in the ``torchspec`` package."""
     while frame is not None:
         path = Path(frame.f_code.co_filename)
-        if ENGINE_ROOT in path.parents and BENCH_ROOT not in path.parents:
+        if ENGINE_ROOT in path.parents:
             return f"{path.relative_to(ENGINE_ROOT)}:{frame.f_code.co_name}:{frame.f_lineno}"
         frame = frame.f_back
     return "(outside the engine)"

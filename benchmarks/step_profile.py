@@ -1,8 +1,8 @@
 """Where a speculative step's time goes: per-step wall times, the host's share of them by phase, and a
 torch.profiler table with the GPU timeline.
 
-    python -m torchspec.bench.step_profile --batch 256 --out profile.txt [--draft-chain off]
-    python -m torchspec.bench.step_profile --model SmolLM2-135M-Instruct.Q4_1.gguf --warmup-steps 250
+    python -m benchmarks.step_profile --batch 256 --out profile.txt [--draft-chain off]
+    python -m benchmarks.step_profile --model SmolLM2-135M-Instruct.Q4_1.gguf --warmup-steps 250
 
 Without ``--model``, a randomly initialised model of SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads,
 vocabulary 49,152) decodes from random prompts (no model file needed): random weights make the drafts mostly

@@ -1,7 +1,7 @@
 """One kernel-benchmark case run a few times eagerly, for a profiler to attach to:
 
     ncu --kernel-name regex:_attention_kernel --launch-skip 1 --launch-count 1 --set full \\
-        python -m torchspec.bench.kernel_case smollm2 32 8192 verify
+        python -m benchmarks.kernel_case smollm2 32 8192 verify
 
 The first launch plans and compiles; ``--launch-skip 1`` profiles the second, a steady one.
 """
@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from torchspec.bench import kernels
+from benchmarks import kernels
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,23 +7,22 @@ score pass of verify requests: K only), and ``mixed`` (1 verify per 8 drafts) as
 two launches. FlexAttention and SDPA decode over a dense ``[B, Hkv, L, D]`` copy of the same K/V (their
 best case: no paging). Times are medians of CUDA-graph replays (no host overhead), caches flushed.
 
-    python -m torchspec.bench.kernels --out kernels.jsonl
-    python -m torchspec.bench.kernels --report kernels.jsonl      # markdown table of a finished run (any kind)
-    python -m torchspec.bench.kernels --sweep --batches 32 128 --contexts 8192 --out sweep.jsonl
+    python -m benchmarks.kernels --out kernels.jsonl
+    python -m benchmarks.kernels --report kernels.jsonl      # markdown table of a finished run (any kind)
+    python -m benchmarks.kernels --sweep --batches 32 128 --contexts 8192 --out sweep.jsonl
         # every launch configuration (BLOCK_N x warps x stages) for our cases, records tagged with it
-    python -m torchspec.bench.kernels --no-baselines --cases decode verify --split-overhead 0 2 8
-        # the split planner's per-program cost (SPLIT_OVERHEAD_BLOCKS) per value, records tagged with it
-    python -m torchspec.bench.kernels --no-baselines --cases verify --splits 1 2 4 8 16
+    python -m benchmarks.kernels --no-baselines --cases decode verify --split-overhead 0 2 8
+        # the split planner's per-program cost (split_overhead) per value, records tagged with it
+    python -m benchmarks.kernels --no-baselines --cases verify --splits 1 2 4 8 16
         # each split count forced on every launch, records tagged with it
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +62,13 @@ class Case:
     """One (shape, batch, context) point: a paged pool with each request's slots contiguous (a fresh
     allocation), and the lists and queries every case reads."""
 
-    def __init__(self, shape: Shape, batch: int, context: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self, shape: Shape, batch: int, context: int, dtype: torch.dtype = torch.bfloat16, **tuning: object
+    ) -> None:
         self.shape, self.batch, self.context = shape, batch, context
+        # Launch choices pinned for a sweep (``launch``, ``num_splits``, ``split_overhead``: keyword arguments of
+        # the Triton attention; the mass kernel takes the last two); none: the kernels' own.
+        self.tuning = tuning
         device = torch.device("cuda")
         g = torch.Generator(device=device).manual_seed(0)
         slots = batch * context
@@ -85,6 +89,9 @@ class Case:
         self.draft_indptr = torch.arange(batch + 1, device=device) * budget
         self.budget = budget
 
+    def mass_tuning(self) -> dict[str, object]:
+        return {name: value for name, value in self.tuning.items() if name != "launch"}
+
     def queries(self, q_len: int, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         batch = batch or self.batch
         q = torch.randn(
@@ -94,13 +101,22 @@ class Case:
 
 
 def _ours(case: Case, q_len: int, per_head: bool) -> tuple[Callable[[], object], int]:
-    from attention import ops
+    from attention import paged
 
     q, cu = case.queries(q_len)
     indptr, indices = (case.draft_indptr, case.draft_indices) if per_head else (case.full_indptr, case.full_indices)
     length = case.budget if per_head else case.context
-    fn = lambda: ops.paged_attention(  # noqa: E731
-        q, case.k_cache, case.v_cache, cu, indptr, indices, case.scale, max_q_len=q_len, max_kv_len=length
+    fn = lambda: paged.paged_attention(  # noqa: E731
+        q,
+        case.k_cache,
+        case.v_cache,
+        cu,
+        indptr,
+        indices,
+        case.scale,
+        max_q_len=q_len,
+        max_kv_len=length,
+        **case.tuning,
     )
     return fn, 2 * case.batch * length * case.row_bytes
 
@@ -108,18 +124,18 @@ def _ours(case: Case, q_len: int, per_head: bool) -> tuple[Callable[[], object],
 def _draft_floor(case: Case) -> tuple[Callable[[], object], int]:
     """The draft launch of this batch over two-entry lists: its fixed cost, which a draft pays whatever its
     context (the time above it is the streaming part; the small sizes' bandwidth is bounded by it)."""
-    return _ours(Case(case.shape, case.batch, FLOOR_CONTEXT), 1, per_head=True)
+    return _ours(Case(case.shape, case.batch, FLOOR_CONTEXT, **case.tuning), 1, per_head=True)
 
 
 def _mass(case: Case) -> tuple[Callable[[], object], int]:
-    from attention import ops
+    from attention import paged
 
     q, cu = case.queries(K + 1)
-    _, lse = ops.paged_attention(
+    _, lse = paged.paged_attention(
         q, case.k_cache, case.v_cache, cu, case.full_indptr, case.full_indices, case.scale, max_q_len=K + 1
     )
     scored = torch.full((case.batch,), K + 1, device="cuda")
-    fn = lambda: ops.attention_mass(  # noqa: E731
+    fn = lambda: paged.attention_mass(  # noqa: E731
         q,
         case.k_cache,
         cu,
@@ -130,13 +146,14 @@ def _mass(case: Case) -> tuple[Callable[[], object], int]:
         scored,
         max_scored=K + 1,
         max_kv_len=case.context,
+        **case.mass_tuning(),
     )
     return fn, case.batch * case.context * case.row_bytes
 
 
 def _mixed(case: Case, fused: bool) -> tuple[Callable[[], object], int]:
     """The first 8/9 of the batch draft (sparse lists), the rest verify (full lists)."""
-    from attention import ops
+    from attention import paged
     from attention.reference import FirstLists
 
     num_verify = max(1, case.batch // (K + 1))
@@ -149,7 +166,7 @@ def _mixed(case: Case, fused: bool) -> tuple[Callable[[], object], int]:
     cu = torch.cat([draft_cu, verify_cu[1:] + num_draft])
     nbytes = 2 * (num_draft * case.budget + num_verify * case.context) * case.row_bytes
     if fused:
-        return lambda: ops.paged_attention(
+        return lambda: paged.paged_attention(
             query,
             case.k_cache,
             case.v_cache,
@@ -160,10 +177,11 @@ def _mixed(case: Case, fused: bool) -> tuple[Callable[[], object], int]:
             max_q_len=K + 1,
             max_kv_len=case.context,
             first_lists=draft_lists,
+            **case.tuning,
         ), nbytes
 
     def two_launches() -> None:
-        ops.paged_attention(
+        paged.paged_attention(
             draft_q,
             case.k_cache,
             case.v_cache,
@@ -173,8 +191,9 @@ def _mixed(case: Case, fused: bool) -> tuple[Callable[[], object], int]:
             case.scale,
             max_q_len=1,
             max_kv_len=case.budget,
+            **case.tuning,
         )
-        ops.paged_attention(
+        paged.paged_attention(
             verify_q,
             case.k_cache,
             case.v_cache,
@@ -184,6 +203,7 @@ def _mixed(case: Case, fused: bool) -> tuple[Callable[[], object], int]:
             case.scale,
             max_q_len=K + 1,
             max_kv_len=case.context,
+            **case.tuning,
         )
 
     return two_launches, nbytes
@@ -215,10 +235,12 @@ def sweep(case: Case, cases: list[str] | None = None) -> list[dict]:
     from attention import paged
 
     records = []
+    pinned = case.tuning
     for block_n, warps, stages in SWEEP:
-        with _kernel_setting("LAUNCH_OVERRIDE", paged.LaunchConfig(block_n, warps, stages)):
-            for record in measure(case, baselines=False, cases=cases):
-                records.append({**record, "block_n": block_n, "num_warps": warps, "num_stages": stages})
+        case.tuning = {**pinned, "launch": paged.LaunchConfig(block_n, warps, stages)}
+        for record in measure(case, baselines=False, cases=cases):
+            records.append({**record, "block_n": block_n, "num_warps": warps, "num_stages": stages})
+    case.tuning = pinned
     return records
 
 
@@ -331,20 +353,6 @@ def _settings_table(records: list[dict], setting: Callable[[dict], str]) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def _kernel_setting(name: str, value: object) -> Iterator[None]:
-    """Run with the kernel module's setting ``name`` (``LAUNCH_OVERRIDE``, ``SPLIT_OVERHEAD_BLOCKS``,
-    ``SPLIT_OVERRIDE``) set to ``value`` (None: as it is), restored afterwards."""
-    from attention import paged
-
-    saved = getattr(paged, name)
-    setattr(paged, name, saved if value is None else value)
-    try:
-        yield
-    finally:
-        setattr(paged, name, saved)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -362,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         "--split-overhead",
         nargs="+",
         type=int,
-        help="measure under each of these per-program costs of the split planner (SPLIT_OVERHEAD_BLOCKS)",
+        help="measure under each of these per-program costs of the split planner (split_overhead)",
     )
     vary.add_argument(
         "--splits", nargs="+", type=int, help="measure with each of these split counts forced on every launch"
@@ -377,18 +385,18 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm import tqdm
 
     points = [(s, b, c) for s in args.shapes for b in args.batches for c in args.contexts]
-    varied = [  # (kernel setting, record key, values): at most one is given
-        ("SPLIT_OVERHEAD_BLOCKS", "split_overhead", args.split_overhead),
-        ("SPLIT_OVERRIDE", "splits", args.splits),
+    varied = [  # (kernel keyword argument, record key, values): at most one is given
+        ("split_overhead", "split_overhead", args.split_overhead),
+        ("num_splits", "splits", args.splits),
     ]
-    setting, key, values = next((v for v in varied if v[2]), ("SPLIT_OVERRIDE", "", [None]))
+    setting, key, values = next((v for v in varied if v[2]), ("num_splits", "", [None]))
     records = []
     for shape, batch, context in tqdm(points, desc="kernel benchmark"):
         case = Case(SHAPES[shape], batch, context)
         new = []
         for value in values:
-            with _kernel_setting(setting, value):
-                runs = sweep(case, args.cases) if args.sweep else measure(case, args.baselines, args.cases)
+            case.tuning = {setting: value} if value is not None else {}
+            runs = sweep(case, args.cases) if args.sweep else measure(case, args.baselines, args.cases)
             new += [{**r, key: value} if value is not None else r for r in runs]
         del case
         torch.cuda.empty_cache()
