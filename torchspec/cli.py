@@ -12,34 +12,11 @@ from typing import Any
 import torch
 
 from torchspec import sparsespec
+from torchspec.arguments import add_device_arguments, at_least, model_dtype
 from torchspec.causal_lm import RequestOutput, SparseSpecForCausalLM
 from torchspec.config import DEFAULT_DRAFT, DRAFT_POLICIES
 from torchspec.models import DEFAULT_MODEL_NAME, load_model
 from torchspec.workloads import chat_token_ids, read_prompts
-
-
-def _at_least(minimum: float, kind: type = int):
-    """An argparse type accepting numbers of ``kind`` that are >= ``minimum``."""
-
-    def parse(text: str):
-        value = kind(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
-        return value
-
-    return parse
-
-
-def _device(text: str) -> torch.device:
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except RuntimeError as error:
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda or auto") from error
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError("--device cuda, but this torch sees no CUDA device")
-    return device
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,10 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", help="the prompt; omit it to use --prompts-file")
     gen.add_argument("--prompts-file", help="a .jsonl file (field 'prompt') or text file (one a line)")
     gen.add_argument("--reasoning-prompts", action="store_true", help="use the packaged AIME/OlympiadBench prompts")
-    gen.add_argument("--limit", type=_at_least(1), help="use the first N prompts of the file")
+    gen.add_argument("--limit", type=at_least(1), help="use the first N prompts of the file")
     gen.add_argument("--model", help=f"local HF directory or .gguf file (default: embedded {DEFAULT_MODEL_NAME})")
     gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=_at_least(0.0, float), default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument(
@@ -64,13 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-batch-size", type=int, default=256)
     gen.add_argument("--system", help="system message for the chat template")
     gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
-    gen.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bf16 on GPU, fp32 on CPU",
-    )
-    gen.add_argument("--device", type=_device, default="auto", help="cpu or cuda (auto: cuda when available)")
+    add_device_arguments(gen)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--output", help="write one JSON line per prompt to this file")
     return parser
@@ -115,7 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> tuple[SparseSpecForCausalLM, Any]:
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.type == "cuda" else "float32")
+    dtype = model_dtype(args.dtype, args.device)
     torch.manual_seed(args.seed)
     hf_model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
     model = sparsespec.wrap(

@@ -34,7 +34,13 @@ def chat_token_ids(tokenizer: Any, prompt: str, system: str | None = None) -> li
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
+def prompt_ids(tokenizer: Any, path: str | Path | None = None, limit: int | None = None) -> list[list[int]]:
+    """The prompts of ``path`` (None: the packaged reasoning prompts), cycled to ``limit``, as token ids in the
+    tokenizer's chat template."""
+    return [chat_token_ids(tokenizer, text) for text in read_prompts(path, limit)]
+
+
 def reasoning_prompt_ids(tokenizer: Any, limit: int | None = None) -> list[list[int]]:
     """The first ``limit`` packaged reasoning prompts as token ids in the tokenizer's chat template: W1's
     prompts, which every benchmark decodes."""
-    return [chat_token_ids(tokenizer, text) for text in read_prompts(limit=limit)]
+    return prompt_ids(tokenizer, None, limit)

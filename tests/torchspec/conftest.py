@@ -194,3 +194,17 @@ def hf_reference() -> Reference:
         return cache[key].clone()
 
     return reference
+
+
+def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``torchspec.cli.main(argv)``; argparse exits count too. The CLI seeds torch's
+    global RNG, so the caller's RNG state is saved and restored."""
+    from torchspec import cli
+
+    with torch.random.fork_rng():
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as exit_:
+            code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err

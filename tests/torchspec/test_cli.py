@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.torchspec.conftest import run_cli
 from torchspec import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,15 +54,8 @@ def _run_module(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Compl
 
 
 def _main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``torchspec.cli.main(["generate", *argv])``; argparse exits count too.
-    The CLI seeds torch's global RNG, so the caller's RNG state is saved and restored."""
-    with torch.random.fork_rng():
-        try:
-            code = cli.main(["generate", *argv])
-        except SystemExit as exit_:
-            code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    """(exit code, stdout, stderr) of ``torchspec generate *argv``, in-process."""
+    return run_cli(capsys, "generate", *argv)
 
 
 @pytest.fixture(scope="module")

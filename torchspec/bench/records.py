@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -83,10 +85,28 @@ def engine_options(args: argparse.Namespace) -> dict[str, bool | str | None]:
     return options
 
 
-def environment(device: torch.device | str, dtype: torch.dtype | str) -> dict[str, str]:
-    """The machine fields of a record: GPU name (or cpu), dtype, torch version."""
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device | str, dtype: torch.dtype | str) -> dict[str, str | None]:
+    """The machine fields of a record: GPU name (or cpu), dtype, the torch, transformers and triton versions (None
+    where one is not installed), torch's CPU threads and the CPU's load (1-minute average, this process's own work
+    included): other work on the CPU slows every method, a speculative step most."""
     name = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
-    return {"device": name, "dtype": str(dtype), "torch": torch.__version__}
+    return {
+        "device": name,
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "triton": _version("triton"),
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "load_average": round(os.getloadavg()[0], 2),
+    }
 
 
 def append_record(path: str | None, record: dict[str, Any]) -> None:

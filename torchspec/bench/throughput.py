@@ -24,7 +24,7 @@ import dataclasses
 import gc
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -50,19 +50,52 @@ def _quantiles(values: Sequence[float], levels: Sequence[float]) -> list[float]:
     return [ordered[min(len(ordered) - 1, int(level * len(ordered)))] for level in levels]
 
 
+#: Width of the context-length bins that acceptance is reported in.
+CONTEXT_BIN_TOKENS = 512
+
+
+def context_bins(rounds: Iterable[tuple[int, int]], bin_tokens: int = CONTEXT_BIN_TOKENS) -> list[dict]:
+    """Mean accepted drafts of the (context length, accepted) ``rounds`` in context bins of ``bin_tokens``, the
+    bins that saw a round in order: whether drafts stay good as contexts grow."""
+    bins: dict[int, list[int]] = {}
+    for context, accepted in rounds:
+        bins.setdefault(context // bin_tokens, []).append(accepted)
+    return [
+        {"context_from": index * bin_tokens, "rounds": len(values), "mean_accepted": statistics.fmean(values)}
+        for index, values in sorted(bins.items())
+    ]
+
+
+def _rounds(outputs: Sequence[RequestOutput]) -> Iterator[tuple[int, int]]:
+    """(context length, accepted drafts) of every verify round of ``outputs``."""
+    for output in outputs:
+        speculation = output.stats.speculation
+        yield from zip(speculation.context_per_round, speculation.accepted_per_round, strict=True)
+
+
+def time_per_output_token_ms(requests: Iterable[tuple[float, int]]) -> float:
+    """A request's latency (arrival to finish) over its output tokens, in ms, averaged over the (latency,
+    output tokens) of ``requests``: what a user waits per token, where tokens/s counts the whole batch."""
+    return 1e3 * statistics.fmean(latency / max(tokens, 1) for latency, tokens in requests)
+
+
 class StepTimeline:
     """Each engine step of a run: how many requests it held, its wall time, and its rounds' draft count (0: a
-    plain step). Attached to an engine, it records the steps its ``steps`` generator yields."""
+    plain step); and the most KV pool slots held after a step. Attached to an engine, it records the steps its
+    ``steps`` generator yields."""
 
     def __init__(self, engine: Engine) -> None:
         self.steps: list[tuple[int, float, int]] = []
+        self.peak_pool_tokens = 0
         run_steps = engine.steps
+        pool = engine.pool
 
         def recorded(requests):
             last = time.perf_counter()
             for plan, finished in run_steps(requests):
                 now = time.perf_counter()
                 self.steps.append((len(plan.scheduled), now - last, plan.round_length))
+                self.peak_pool_tokens = max(self.peak_pool_tokens, pool.num_slots - pool.allocator.num_free)
                 last = now
                 yield plan, finished
 
@@ -100,15 +133,16 @@ def measure(
     seed: int = 0,
     warmup_tokens: int = 0,
     natural_lengths: bool = False,
+    max_batch_size: int | None = None,
     **options,
 ) -> dict:
-    """One ``generate_batch`` over ``prompts`` with ``draft`` (after an untimed one of ``warmup_tokens`` tokens
-    each, when asked); its throughput record."""
+    """One ``generate_batch`` over ``prompts`` with ``draft``, at most ``max_batch_size`` requests at once (None:
+    all of them), after an untimed one of ``warmup_tokens`` tokens each when asked; its throughput record."""
     device = next(model.parameters()).device
     if device.type == "cuda":  # the last setting's pool must be gone before this one sizes its own
         gc.collect()
         torch.cuda.empty_cache()
-    wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=len(prompts), **options)
+    wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=max_batch_size or len(prompts), **options)
 
     def generate(new_tokens: int) -> list[RequestOutput]:
         return wrapped.generate_batch(
@@ -139,6 +173,9 @@ def measure(
     return {
         "draft": draft,
         "requests": len(prompts),
+        "max_batch_size": wrapped.engine.config.max_batch_size,
+        "k": wrapped.engine.config.k if draft else None,
+        "sparsity": wrapped.engine.config.sparsity if draft else None,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "natural_lengths": natural_lengths,  # EOS respected (else held back to max_new_tokens)
@@ -147,11 +184,14 @@ def measure(
         "generated_tokens": generated,
         "seconds": seconds,
         "tokens_per_s": generated / seconds,
+        "time_per_output_token_ms": time_per_output_token_ms((o.stats.latency_s, len(o.token_ids)) for o in outputs),
         "steps": stats.steps,
         "ms_per_step": 1e3 * seconds / max(stats.steps, 1),
         "cpu_ms_per_step": 1e3 * cpu_seconds / max(stats.steps, 1),  # host time (all threads) per engine step
         "options": {name: str(value) for name, value in options.items()},
         "mean_accepted": stats.mean_accepted,
+        "accepted_histogram": list(stats.accepted_histogram),  # rounds that accepted 0, 1, ..., k drafts
+        "acceptance_by_context": context_bins(_rounds(outputs)),
         # The batch's tail: a run lasts as long as its slowest request; per-request spread of both.
         "latency_s_p50_p90_max": _quantiles([o.stats.latency_s for o in outputs], (0.5, 0.9, 1.0)),
         "request_accepted_p10_p50_p90": _quantiles([o.stats.mean_accepted for o in outputs], (0.1, 0.5, 0.9)),
@@ -170,6 +210,7 @@ def measure(
         "kernel_compiles": compiles.events,
         "kernel_compile_s": sum(taken for _, taken, _ in compiles.events),
         "kv_capacity_tokens": wrapped.engine.kv_capacity_tokens,
+        "peak_pool_tokens": timeline.peak_pool_tokens,  # most KV slots held after a step of the timed run
         # The KV host tier (offload): K/V rows moved out and back, peak use of both tiers, host time copying.
         "offload": None if stats.offload is None else dataclasses.asdict(stats.offload),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
