@@ -1,4 +1,4 @@
-"""Command line: ``torchspec generate "prompt"`` (or ``python -m torchspec generate``)."""
+"""Command line: ``torchspec generate "prompt"`` and ``torchspec bench`` (or ``python -m torchspec ...``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from torchspec import sparsespec
 from torchspec.arguments import add_device_arguments, at_least, model_dtype
+from torchspec.bench import suite
 from torchspec.causal_lm import RequestOutput, SparseSpecForCausalLM
 from torchspec.config import DEFAULT_DRAFT, DRAFT_POLICIES
 from torchspec.models import DEFAULT_MODEL_NAME, load_model
@@ -44,6 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     add_device_arguments(gen)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--output", help="write one JSON line per prompt to this file")
+    bench = commands.add_parser(
+        "bench",
+        help="measure methods (ours with each draft policy, transformers' peers) on one workload; write a report",
+        description=suite.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    suite.add_arguments(bench)
     return parser
 
 
@@ -123,7 +131,7 @@ def _record(prompt: str, output: RequestOutput) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _generate(args)
+        return suite.main(args) if args.command == "bench" else _generate(args)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

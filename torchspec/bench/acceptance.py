@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from torchspec import sparsespec
+from torchspec.bench.report import plot_acceptance_vs_context
+from torchspec.bench.throughput import context_bins
 from torchspec.config import DRAFT_POLICIES
 from torchspec.models import load_model
 from torchspec.workloads import reasoning_prompt_ids
@@ -103,30 +105,8 @@ def markdown(results: list[dict], command: str, machine: str, spec: dict) -> str
 
 def plot(results: list[dict], path: str, bin_width: int = 256) -> None:
     """Mean accepted per round against context length, one line per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for result in results:
-        bins: dict[int, list[int]] = {}
-        for context, accepted in result["rounds"]:
-            bins.setdefault(context // bin_width, []).append(accepted)
-        xs = sorted(bins)
-        ax.plot(
-            [(x + 0.5) * bin_width for x in xs],
-            [sum(bins[x]) / len(bins[x]) for x in xs],
-            marker="o",
-            label=result["label"],
-        )
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("accepted drafts per round")
-    ax.set_ylim(0, None)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    curves = {result["label"]: context_bins(result["rounds"], bin_width) for result in results}
+    plot_acceptance_vs_context(curves, Path(path), bin_width)
 
 
 def main() -> None:

@@ -1,0 +1,231 @@
+"""``torchspec bench``: one workload decoded by each named method in one process, and one report.
+
+    torchspec bench --methods none,pillar_recent,hf --num-prompts 256 --output-len 8192 --out bench-w1
+    torchspec bench --methods none,pillar_recent --sweep output-len=1024,2048,4096,8192 --out bench-lengths
+
+Every argument is checked before the model loads: a typo costs a second, not a model load and the runs before
+the bad one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import shlex
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from torchspec.arguments import add_device_arguments, at_least, model_dtype
+from torchspec.bench.methods import METHODS, methods_error
+from torchspec.bench.records import environment
+from torchspec.bench.report import write_report
+from torchspec.bench.runs import MethodRun, Workload
+from torchspec.models import DEFAULT_MODEL_NAME, load_model
+from torchspec.workloads import read_prompts
+
+#: What ``--sweep NAME=V1,V2,...`` can vary: output-len (new tokens a request), batch (requests at once, each
+#: value's run decoding one full batch: that many prompts).
+SWEEPS = ("output-len", "batch")
+DEFAULT_METHODS = "none,pillar_recent,hf"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    name: str  # one of SWEEPS
+    values: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.name}={','.join(map(str, self.values))}"
+
+
+def method_names(text: str) -> list[str]:
+    """An argparse type: a comma-separated list of known methods that can run here, each once."""
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    problem = "no method named" if not names else methods_error(names)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return names
+
+
+def sweep(text: str) -> Sweep:
+    """An argparse type: ``output-len=1024,2048`` or ``batch=32,64``, whole numbers >= 1."""
+    name, equals, values = text.partition("=")
+    if not equals or name not in SWEEPS:
+        raise argparse.ArgumentTypeError(f"bad sweep {text!r}: use {' or '.join(f'{s}=N,N,...' for s in SWEEPS)}")
+    try:
+        numbers = tuple(int(value) for value in values.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad sweep {text!r}: its values are whole numbers, comma-separated") from None
+    if min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"sweep value {min(numbers)} of {name} out of range: each must be >= 1")
+    return Sweep(name, tuple(dict.fromkeys(numbers)))
+
+
+def writable_dir(text: str) -> Path:
+    """An argparse type: a folder that exists and can be written, or can be made where its nearest existing
+    parent is a writable folder."""
+    path = Path(text).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write the report into {text}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write the report into {text}: {existing} is not writable")
+    return path
+
+
+def prompts_file(text: str) -> str:
+    """An argparse type: a prompts file that reads and holds at least one prompt."""
+    try:
+        found = read_prompts(text)
+    except (OSError, ValueError, KeyError) as error:
+        raise argparse.ArgumentTypeError(f"cannot read prompts from {text}: {error}") from None
+    if not found:
+        raise argparse.ArgumentTypeError(f"{text} holds no prompt")
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``torchspec bench``."""
+    parser.add_argument("--model", help=f"local HF directory or .gguf file (default: embedded {DEFAULT_MODEL_NAME})")
+    parser.add_argument(
+        "--prompts-file",
+        type=prompts_file,
+        help="a .jsonl file (field 'prompt') or a text file (one a line); "
+        "default: the packaged AIME/OlympiadBench reasoning prompts",
+    )
+    parser.add_argument("--num-prompts", type=at_least(1), default=256, help="requests (cycles the file when larger)")
+    parser.add_argument("--output-len", type=at_least(1), default=8192, help="new tokens a request (EOS held back)")
+    parser.add_argument("--natural-lengths", action="store_true", help="stop at EOS (--output-len: the most)")
+    parser.add_argument("--temperature", type=at_least(0.0, float), default=0.65, help="0 = greedy")
+    parser.add_argument("--max-batch-size", type=at_least(1), default=256, help="requests decoded at once")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--warmup-tokens", type=at_least(0), default=16, help="untimed tokens a prompt before each method's run"
+    )
+    parser.add_argument(
+        "--methods",
+        type=method_names,
+        default=DEFAULT_METHODS,
+        help=f"comma-separated, of: {', '.join(METHODS)} (default: {DEFAULT_METHODS})",
+    )
+    parser.add_argument(
+        "--sweep", type=sweep, help="run every method at each value: output-len=1024,2048,... or batch=32,64,..."
+    )
+    parser.add_argument("--out", type=writable_dir, default="bench-report", help="the report's folder")
+    parser.add_argument(
+        "--threads", type=at_least(1), help="torch's CPU threads (default: torch's own; 1 suffers least on a busy CPU)"
+    )
+    add_device_arguments(parser)
+
+
+def _workloads(args: argparse.Namespace, tokenizer: Any) -> Iterator[tuple[int | None, Workload]]:
+    """(swept value or None, workload) of each point of the run."""
+    settings = {
+        "output_len": args.output_len,
+        "natural_lengths": args.natural_lengths,
+        "temperature": args.temperature,
+        "max_batch_size": args.max_batch_size,
+        "seed": args.seed,
+        "warmup_tokens": args.warmup_tokens,
+    }
+    base = Workload.from_file(tokenizer, args.prompts_file, args.num_prompts, **settings)
+    if args.sweep is None:
+        yield None, base
+    elif args.sweep.name == "output-len":
+        yield from ((value, dataclasses.replace(base, output_len=value)) for value in args.sweep.values)
+    else:
+        for value in args.sweep.values:
+            yield value, Workload.from_file(tokenizer, args.prompts_file, value, **settings | {"max_batch_size": value})
+
+
+def _summary(run: MethodRun, sweep_name: str | None) -> str:
+    point = "" if sweep_name is None else f" ({sweep_name}={run.sweep_value})"
+    accepted = "" if run.mean_accepted is None else f", mean accepted {run.mean_accepted:.2f} of {run.k}"
+    return f"{run.method}{point}: {run.tokens_per_s:.1f} tok/s, {run.time_per_output_token_ms:.1f} ms/token{accepted}"
+
+
+def _text(value: Any) -> str:
+    return ",".join(value) if isinstance(value, list) else str(value)
+
+
+def _json(value: Any) -> Any:
+    return value if value is None or isinstance(value, (bool, int, float)) else _text(value)
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that repeats this run, every option spelled out."""
+    words = ["torchspec", "bench"]
+    for name, value in vars(args).items():
+        if name != "command" and value is not None and value is not False:
+            words += ["--" + name.replace("_", "-")] + ([] if value is True else [_text(value)])
+    return shlex.join(words)
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` for the block (None: left as they are), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _busy_note() -> str | None:
+    """A warning when other work already keeps the CPU busy: every method then runs slower and noisier, and
+    more so with more threads (on a loaded 2-core machine, two threads ran a speculative step 8x slower than one)."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load < cores:
+        return None
+    return (
+        f"note: load average {load:.1f} on {cores} cores before the run: other work competes for the CPU, so "
+        "timings are slow and noisy (--threads 1 suffers least)"
+    )
+
+
+def _run_methods(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[list[MethodRun], Workload]:
+    """Every method at every point of the run, with a progress bar; the runs and the first point's workload."""
+    points = [(value, workload, name) for value, workload in _workloads(args, tokenizer) for name in args.methods]
+    runs: list[MethodRun] = []
+    with tqdm(points, desc="bench", unit="run") as bar:
+        for value, workload, name in bar:
+            bar.set_postfix_str(name if value is None else f"{name}, {args.sweep.name}={value}")
+            runs.append(dataclasses.replace(METHODS[name](model, tokenizer, workload), sweep_value=value))
+    return runs, points[0][1]
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run every method at every point, write the report into ``args.out``, print a summary."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("torchspec bench draws its plots with matplotlib: pip install matplotlib")
+    note = _busy_note()
+    if note:
+        print(note, file=sys.stderr)
+    torch.manual_seed(args.seed)
+    dtype = model_dtype(args.dtype, args.device)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
+    with _threads(args.threads):
+        runs, workload = _run_methods(args, model, tokenizer)
+        machine = environment(args.device, dtype)
+    results = {
+        "command": _command(args),
+        "environment": machine,
+        "workload": workload.summary(),
+        "prompts": args.prompts_file or "the packaged reasoning prompts",
+        "options": {name: _json(value) for name, value in vars(args).items() if name != "command"},
+    }
+    sweep_name = None if args.sweep is None else args.sweep.name
+    written = write_report(args.out, runs, results, sweep_name)
+    for run in runs:
+        print(_summary(run, sweep_name))
+    print(f"report: {written[1]} ({len(written)} files in {args.out})")
+    return 0
