@@ -11,7 +11,7 @@ model decodes W1's prompts (the packaged reasoning problems in its chat template
 are the real ones. Sampling is W1's: temperature 0.65 and top-k 50 (transformers' default, which
 ``generate_batch`` applies; ``--top-k 0`` turns it off). Once every prompt is in, and ``--warmup-steps`` later
 (graphs captured; contexts grow by ~7 tokens a round), the wall time of each step is taken (synchronised, so GPU
-work counts) with the host's time in each phase of the engine loop (plan, launch, read-back, commit); then
+work counts) with the host's time in each phase of the engine loop (schedule, launch, read-back, commit); then
 ``--profile-steps`` run under ``torch.profiler``: host calls that block show as large self CPU times, idle GPU as
 a self CUDA total well below the wall time, and the GPU timeline splits replays from kernels launched one by one.
 """
@@ -19,11 +19,10 @@ a self CUDA total well below the wall time, and the GPU timeline splits replays 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,8 +31,7 @@ from torchspec import sparsespec
 from torchspec.bench.records import add_engine_arguments, engine_options
 from torchspec.models import load_model
 from torchspec.request import SamplingParams
-from torchspec.runner import Runner
-from torchspec.scheduler import Phase, Scheduler
+from torchspec.scheduler import Phase
 from torchspec.workloads import reasoning_prompt_ids
 
 SMOLLM2_SHAPE = {
@@ -62,40 +60,6 @@ def random_prompts(vocab_size: int, batch: int, prompt_len: int) -> list[list[in
     return torch.randint(vocab_size, (batch, prompt_len), generator=generator).tolist()
 
 
-#: The phases of the engine loop whose host time a profile reports: (owner class, method) each. The read-back
-#: waits for the step's GPU work; launch only queues it, so its time overlaps the GPU's.
-HOST_PHASES = {
-    "plan": (Scheduler, "schedule"),
-    "launch": (Runner, "launch"),
-    "read-back": (Runner, "collect"),
-    "commit": (Scheduler, "commit"),
-}
-
-
-@contextlib.contextmanager
-def timed_phases(totals: dict[str, float]) -> Iterator[dict[str, float]]:
-    """While active, the wall ms spent in each of :data:`HOST_PHASES` add up in ``totals``."""
-    originals = [(owner, method, getattr(owner, method)) for owner, method in HOST_PHASES.values()]
-
-    def timed(name: str, function):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                totals[name] = totals.get(name, 0.0) + 1e3 * (time.perf_counter() - start)
-
-        return run
-
-    for name, (owner, method, function) in zip(HOST_PHASES, originals, strict=True):
-        setattr(owner, method, timed(name, function))
-    try:
-        yield totals
-    finally:
-        for owner, method, function in originals:
-            setattr(owner, method, function)
-
-
 def profile_steps(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -105,8 +69,9 @@ def profile_steps(
     top_k: int = 0,
     **options,
 ) -> tuple[list[tuple[float, list[str]]], dict[str, float], str]:
-    """Each timed step's (wall ms, phases it held), the host's ms per timed step in each phase of
-    :data:`HOST_PHASES`, and the profiler's report of ``profile_steps`` more steps."""
+    """Each timed step's (wall ms, phases it held), the host's ms per timed step in each phase of the engine's
+    steps (``engine.HOST_PHASES``, as the engine times them), and the profiler's report of ``profile_steps`` more
+    steps."""
     device = next(model.parameters()).device
     # The decoding steps this profiles are graph replays, and whole rounds unless the round length is asked to
     # adapt (it would mix in plain steps).
@@ -127,13 +92,13 @@ def profile_steps(
     for _ in range(warmup_steps):
         next(steps)
     sync()
-    timed, host = [], {}
-    with timed_phases(host):
-        for _ in range(timed_steps):
-            start = time.perf_counter()
-            plan, _ = next(steps)
-            sync()
-            timed.append((1e3 * (time.perf_counter() - start), sorted({item.phase.value for item in plan.scheduled})))
+    timed, before = [], dict(engine.host_ms)
+    for _ in range(timed_steps):
+        start = time.perf_counter()
+        plan, _ = next(steps)
+        sync()
+        timed.append((1e3 * (time.perf_counter() - start), sorted({item.phase.value for item in plan.scheduled})))
+    host = {name: ms - before[name] for name, ms in engine.host_ms.items()}
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

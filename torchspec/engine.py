@@ -22,6 +22,9 @@ from torchspec.scheduler import Scheduler, StepPlan
 from torchspec.stats import GenerationStats, accepted_histogram
 
 StepCallback = Callable[[StepPlan, list[Request]], None]
+# Where the host's time per step goes (``GenerationStats.host_ms``): choosing the step (and its KV moves),
+# queueing its device work, waiting for and reading its results, applying them to the requests.
+HOST_PHASES = ("schedule", "launch", "read-back", "commit")
 DEFAULT_STEP_TOKENS = 2048  # query tokens per step unless a full batch of verifies needs more
 
 
@@ -149,6 +152,7 @@ class Engine:
         self.adaptive_rounds = use_adaptive_rounds(config.adaptive_rounds, self.draft_chain)
         self._run_start = time.perf_counter()
         self._run_steps = 0
+        self.host_ms = dict.fromkeys(HOST_PHASES, 0.0)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -186,6 +190,7 @@ class Engine:
         """
         self._run_start = time.perf_counter()
         self._run_steps = 0
+        self.host_ms = dict.fromkeys(HOST_PHASES, 0.0)
         scheduler = Scheduler(
             self.pool.allocator,
             self.config.max_batch_size,
@@ -218,7 +223,10 @@ class Engine:
                     started = time.perf_counter()
                     plan = scheduler.schedule(in_flight.plan if in_flight is not None else None)
                     self.runner.move_kv(plan)
+                    scheduled = time.perf_counter()
                     launched = self.runner.launch(plan) if plan.scheduled else None
+                    self.host_ms["schedule"] += 1e3 * (scheduled - started)
+                    self.host_ms["launch"] += 1e3 * (time.perf_counter() - scheduled)
                     if in_flight is None and launched is None:
                         raise RuntimeError(
                             "scheduler made no progress: a waiting request can never be admitted"
@@ -269,7 +277,12 @@ class Engine:
 
     def _commit(self, scheduler: Scheduler, step: LaunchedStep) -> tuple[StepPlan, list[Request]]:
         """Read a launched step back and apply it; the finished requests give their slot-table rows back."""
-        finished = scheduler.commit(step.plan, self.runner.collect(step))
+        start = time.perf_counter()
+        results = self.runner.collect(step)
+        collected = time.perf_counter()
+        finished = scheduler.commit(step.plan, results)
+        self.host_ms["read-back"] += 1e3 * (collected - start)
+        self.host_ms["commit"] += 1e3 * (time.perf_counter() - collected)
         for request in finished:
             self.runner.table.release(request)
         self._run_steps += 1
@@ -296,6 +309,7 @@ class Engine:
             generated_tokens=sum(r.num_output_tokens for r in requests),
             wall_time_s=time.perf_counter() - self._run_start,
             steps=self._run_steps,
+            host_ms=dict(self.host_ms),
             offload=None if self.runner.host is None else self.runner.host.stats,
         )
 

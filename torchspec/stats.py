@@ -38,6 +38,9 @@ class GenerationStats:
     num_accepted_tokens: int = 0  # accepted drafts, bonus/corrected tokens not counted
     accepted_histogram: tuple[int, ...] = ()  # rounds that accepted 0, 1, ..., k drafts
     offload: OffloadStats | None = None  # what the KV host tier did (``offload=True``; None without it)
+    # Host milliseconds spent in each phase of the engine's steps (engine.HOST_PHASES); with steps launched
+    # ahead, "read-back" holds the wait for the device.
+    host_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def mean_accepted(self) -> float:

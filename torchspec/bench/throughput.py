@@ -188,6 +188,8 @@ def measure(
         "steps": stats.steps,
         "ms_per_step": 1e3 * seconds / max(stats.steps, 1),
         "cpu_ms_per_step": 1e3 * cpu_seconds / max(stats.steps, 1),  # host time (all threads) per engine step
+        # The host's ms per engine step in each phase (schedule, launch, read-back: the wait for the device, commit).
+        "host_ms_per_step": {name: ms / max(stats.steps, 1) for name, ms in stats.host_ms.items()},
         "options": {name: str(value) for name, value in options.items()},
         "mean_accepted": stats.mean_accepted,
         "accepted_histogram": list(stats.accepted_histogram),  # rounds that accepted 0, 1, ..., k drafts
