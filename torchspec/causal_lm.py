@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,16 +39,69 @@ class RequestOutput:
     stats: RequestStats
 
 
-class SparseSpecForCausalLM(torch.nn.Module):
-    """Wraps a transformers decoder-only LM; ``generate`` / ``generate_batch`` run on torchspec's engine.
+# nn.Module state that says what a module holds and how it is saved: the wrapper shares the model's.
+_SHARED_MODULE_STATE = (
+    "_parameters",
+    "_buffers",
+    "_non_persistent_buffers_set",
+    "_modules",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+# The wrapper's own attributes; every other one is the wrapped model's, read and assigned.
+_OWN_ATTRIBUTES = frozenset(
+    {"hf_model", "spec_config", "tokenizer", "_tokenizer_searched", "layers", "last_stats", "_engine"}
+)
 
-    The wrapped model is left as it was: its own ``forward`` and ``generate`` still work, and torchspec
-    routes attention to its paged ops only while its engine runs.
+
+def _model_method(name: str) -> Callable[..., Any]:
+    """The nn.Module method ``name`` as the model's class defines it; where the model returns itself, the
+    wrapper returns itself (``wrapped.to(device)`` stays wrapped)."""
+
+    def method(self: SparseSpecForCausalLM, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.hf_model, name)(*args, **kwargs)
+        return self if result is self.hf_model else result
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"The wrapped model's own ``{name}``."
+    return method
+
+
+class SparseSpecForCausalLM(torch.nn.Module):
+    """A transformers decoder-only LM whose ``generate``, ``generate_batch`` and ``stream`` run on torchspec's
+    engine, and which is the model everywhere else a client looks (pipelines, lm-eval, trainers).
+
+    torchspec's own: ``generate``, ``generate_batch``, ``stream``, ``forward`` (calls the model), ``engine``,
+    ``last_stats``, ``spec_config``, ``tokenizer``, ``layers`` and ``hf_model`` (the wrapped model). The rest
+    is the model's:
+
+    - an attribute the wrapper does not define is read from the model (``__getattr__``) and assigned on it,
+      so ``config``, ``generation_config``, ``dtype``, ``device``, ``can_generate``, ``save_pretrained``,
+      ``gradient_checkpointing_enable``, ``get_output_embeddings``, ``base_model``, ``add_model_tags``, ...
+      are the model's own, and an assigned ``generation_config`` is the one ``generate`` reads;
+    - its nn.Module state is the model's (the same dicts): the same parameters (weights shared by reference),
+      submodules and names, hence the same ``state_dict`` and ``load_state_dict``; ``training`` is the
+      model's flag, and the Module methods transformers redefines (``to``, ``cuda``, ``half``, ``float``,
+      ``train``, ``eval``) run the model's version and return the wrapper;
+    - ``isinstance`` and class-name checks see the model's class (``__class__`` reports it, as
+      ``wrapt.ObjectProxy`` does), so ``isinstance(wrapped, PreTrainedModel)`` holds; ``type(wrapped)`` is
+      SparseSpecForCausalLM.
+
+    Why delegation rather than patching the model in place and returning it: one model backs several
+    wrappers with different options (``draft=None`` next to a draft policy, as the benchmarks and lossless
+    tests do), and the model keeps transformers' own ``generate``, the reference torchspec is checked
+    against. A class swapped in place would give every wrap of a model one engine and configuration and take
+    that reference away. torchspec routes attention to its paged ops only while its engine runs.
     """
 
     def __init__(self, model: torch.nn.Module, config: SpecConfig, tokenizer: Any = None) -> None:
         super().__init__()
-        self.model = model
+        object.__setattr__(self, "hf_model", model)  # not a submodule: the wrapper shares the model's
+        for name in _SHARED_MODULE_STATE:
+            object.__setattr__(self, name, getattr(model, name))
+        del self.__dict__["training"]  # read through to the model's flag
         self.spec_config = config
         self.tokenizer = tokenizer
         self._tokenizer_searched = tokenizer is not None
@@ -59,28 +112,62 @@ class SparseSpecForCausalLM(torch.nn.Module):
         self.last_stats = GenerationStats()
         self._engine: Engine | None = None
 
-    # -- transformers look-alike surface ------------------------------------------------------------
-    @property
-    def config(self) -> Any:
-        return self.model.config
+    # -- the model everywhere else ---------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the wrapper does not define is the model's (submodules resolve first: they are shared)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if (name.startswith("__") and name.endswith("__")) or "hf_model" not in self.__dict__:
+                raise
+            return getattr(self.hf_model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Assigning an attribute of the model's (one the wrapper does not define) assigns it on the model, so
+        that reads through the wrapper, and the model's own methods, see the new value."""
+        if (
+            name not in _OWN_ATTRIBUTES
+            and name not in self.__dict__
+            and not hasattr(type(self), name)
+            and hasattr(self.hf_model, name)
+        ):
+            setattr(self.hf_model, name, value)
+        else:
+            super().__setattr__(name, value)
 
     @property
-    def generation_config(self) -> GenerationConfig:
-        return self.model.generation_config
+    def __class__(self) -> type:
+        """The model's class, for the isinstance and class-name checks of pipelines and trainers."""
+        return type(self.hf_model)
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+    def __reduce_ex__(self, protocol: object) -> tuple:
+        """Pickle and deepcopy by the real type (pickle refuses an object whose ``__class__`` differs). A copy
+        builds its own engine when first used: the KV pool and captured graphs are not copied."""
+        return object.__new__, (type(self),), {**self.__dict__, "_engine": None}
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(self.hf_model)))
+
+    def _get_name(self) -> str:  # the name nn.Module's repr shows: say it is wrapped
+        return type(self).__name__
+
+    # nn.Module methods that transformers' PreTrainedModel redefines (quantized-model checks, kernel modes).
+    to = _model_method("to")
+    cuda = _model_method("cuda")
+    half = _model_method("half")
+    float = _model_method("float")
+    train = _model_method("train")
+    eval = _model_method("eval")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's own forward (its original attention implementation)."""
-        return self.model(*args, **kwargs)
+        return self.hf_model(*args, **kwargs)
 
     @property
     def engine(self) -> Engine:
         """The engine, with its KV pool allocated on first use and kept for later calls."""
         if self._engine is None:
-            self._engine = Engine(self.model, self.spec_config, self.layers)
+            self._engine = Engine(self.hf_model, self.spec_config, self.layers)
         return self._engine
 
     # -- generate --------------------------------------------------------------------------------------
@@ -102,14 +189,14 @@ class SparseSpecForCausalLM(torch.nn.Module):
             raise ValueError("generate needs `input_ids` ([batch, seq] token ids)")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError("`input_ids` must be a 2-D tensor [batch, seq]; tokenize with return_tensors='pt'")
-        resolved = resolve_generation_config(self.model, generation_config, kwargs)
+        resolved = resolve_generation_config(self.hf_model, generation_config, kwargs)
         if attention_mask is None:
             attention_mask = infer_attention_mask(input_ids, resolved)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
             )
-        max_new_tokens, min_new_tokens = resolved.lengths_for(self.model, input_ids.shape[1])
+        max_new_tokens, min_new_tokens = resolved.lengths_for(self.hf_model, input_ids.shape[1])
         params = resolved.sampling_params(max_new_tokens, min_new_tokens)
         engine = self.engine
         requests = []
@@ -138,14 +225,14 @@ class SparseSpecForCausalLM(torch.nn.Module):
     def _requests_for(
         self, inputs: Sequence[str | Sequence[int]], generation_config: GenerationConfig | None, kwargs: dict
     ) -> list[Request]:
-        resolved = resolve_generation_config(self.model, generation_config, kwargs)
+        resolved = resolve_generation_config(self.hf_model, generation_config, kwargs)
         resolved.sampling_params(0, 0).validate()  # call-wide values (temperature, top-p...) fail the call
         engine = self.engine
         requests = []
         for index, item in enumerate(inputs):
             try:
                 prompt = self._tokenize(item)
-                params = resolved.sampling_params(*resolved.lengths_for(self.model, len(prompt)))
+                params = resolved.sampling_params(*resolved.lengths_for(self.hf_model, len(prompt)))
             except ValueError as error:
                 request = Request(request_id=index, prompt_ids=[], params=resolved.sampling_params(0, 0))
                 request.finish(FinishReason.ERROR, str(error))
@@ -204,7 +291,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
     def _tokenize(self, item: str | Sequence[int]) -> list[int]:
         if isinstance(item, str):
             if not self._tokenizer_searched:
-                self.tokenizer, self._tokenizer_searched = find_tokenizer(self.model), True
+                self.tokenizer, self._tokenizer_searched = find_tokenizer(self.hf_model), True
             if self.tokenizer is None:
                 raise ValueError(
                     "a text prompt needs a tokenizer and none was found beside the model: pass tokenizer= to "

@@ -287,7 +287,7 @@ def test_failed_generate_leaves_wrapper_usable(model: Any) -> None:
     with pytest.raises(ValueError, match="batch row 2"):
         model.generate(**_left_padded([_prompt(5), _prompt(7, seed=1), [VOCAB_SIZE + 3]]), max_new_tokens=4)
     _assert_no_slot_leak(model)
-    fresh = sparsespec.wrap(model.model, draft=None, kv_capacity_tokens=KV_CAPACITY)
+    fresh = sparsespec.wrap(model.hf_model, draft=None, kv_capacity_tokens=KV_CAPACITY)
     expected = fresh.generate(**batch, max_new_tokens=MAX_NEW_TOKENS)
     assert torch.equal(model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS), expected)
 

@@ -149,7 +149,7 @@ def test_architecture_matches_transformers(spec, hf_reference):
     assert_same_tokens(expected, actual, spec, BATCH)
     assert actual.shape == (len(BATCH.lengths), BATCH.width + MAX_NEW_TOKENS)
     assert_no_slot_leak(wrapped)
-    assert wrapped.model.config._attn_implementation == "sdpa", "the model's own attention was not restored"
+    assert wrapped.hf_model.config._attn_implementation == "sdpa", "the model's own attention was not restored"
 
 
 # -- sliding windows ---------------------------------------------------------------------------------------
