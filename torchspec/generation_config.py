@@ -58,7 +58,9 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "output_hidden_states": (None, False),
 }
 
-# generate() arguments outside GenerationConfig that torchspec does not implement.
+# generate() arguments outside GenerationConfig that torchspec does not implement. Clients pass some of them
+# with values that ask for nothing (a pipeline's `streamer=None`, a trainer's `synced_gpus=False`, an empty
+# `StoppingCriteriaList`): those are accepted.
 UNSUPPORTED_GENERATE_ARGS = (
     "logits_processor",
     "stopping_criteria",
@@ -71,6 +73,14 @@ UNSUPPORTED_GENERATE_ARGS = (
     "synced_gpus",
     "inputs_embeds",
 )
+# generate() arguments that serve only options refused on their own (the tokenizer that decodes stop
+# strings, the assistant model's tokenizer, remote code for custom_generate): ignored.
+_HELPER_GENERATE_ARGS = ("tokenizer", "assistant_tokenizer", "trust_remote_code")
+
+
+def _asks_for_nothing(value: Any) -> bool:
+    """None, False or an empty list (a LogitsProcessorList or StoppingCriteriaList with nothing in it)."""
+    return value is None or value is False or (isinstance(value, list) and not value)
 
 
 @dataclass(frozen=True)
@@ -111,8 +121,9 @@ def resolve_generation_config(
 ) -> ResolvedGeneration:
     """Merge like transformers' ``generate`` and refuse, by name, every option torchspec cannot honour."""
     for name in UNSUPPORTED_GENERATE_ARGS:
-        if kwargs.get(name) is not None:
+        if not _asks_for_nothing(kwargs.pop(name, None)):
             raise ValueError(f"generate option `{name}` is not supported by torchspec")
+    for name in _HELPER_GENERATE_ARGS:
         kwargs.pop(name, None)
     has_default_max_length = (
         kwargs.get("max_length") is None
