@@ -98,7 +98,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, config: SpecConfig, tokenizer: Any = None) -> None:
         super().__init__()
-        object.__setattr__(self, "hf_model", model)  # not a submodule: the wrapper shares the model's
+        self.hf_model = model  # not a submodule: the wrapper shares the model's
         for name in _SHARED_MODULE_STATE:
             object.__setattr__(self, name, getattr(model, name))
         del self.__dict__["training"]  # read through to the model's flag
@@ -124,13 +124,11 @@ class SparseSpecForCausalLM(torch.nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Assigning an attribute of the model's (one the wrapper does not define) assigns it on the model, so
-        that reads through the wrapper, and the model's own methods, see the new value."""
-        if (
-            name not in _OWN_ATTRIBUTES
-            and name not in self.__dict__
-            and not hasattr(type(self), name)
-            and hasattr(self.hf_model, name)
-        ):
+        that reads through the wrapper, and the model's own methods, see the new value. torchspec's own
+        attributes are plain ones, never entries of the (shared) module tree."""
+        if name in _OWN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        elif name not in self.__dict__ and not hasattr(type(self), name) and hasattr(self.hf_model, name):
             setattr(self.hf_model, name, value)
         else:
             super().__setattr__(name, value)
