@@ -19,6 +19,7 @@ from torchspec.engine import Engine, use_adaptive_rounds, use_draft_chain
 from torchspec.generation_config import infer_attention_mask, resolve_generation_config
 from torchspec.hf import probe_attention_layers
 from torchspec.models import find_tokenizer
+from torchspec.parallel.group import TensorParallel
 from torchspec.request import FinishReason, Request
 from torchspec.scheduler import StepPlan
 from torchspec.stats import GenerationStats, RequestStats
@@ -52,7 +53,16 @@ _SHARED_MODULE_STATE = (
 )
 # The wrapper's own attributes; every other one is the wrapped model's, read and assigned.
 _OWN_ATTRIBUTES = frozenset(
-    {"hf_model", "spec_config", "tokenizer", "_tokenizer_searched", "layers", "last_stats", "_engine"}
+    {
+        "hf_model",
+        "spec_config",
+        "tokenizer",
+        "_tokenizer_searched",
+        "layers",
+        "last_stats",
+        "_engine",
+        "tensor_parallel",
+    }
 )
 
 
@@ -74,7 +84,8 @@ class SparseSpecForCausalLM(torch.nn.Module):
     engine, and which is the model everywhere else a client looks (pipelines, lm-eval, trainers).
 
     torchspec's own: ``generate``, ``generate_batch``, ``stream``, ``forward`` (calls the model), ``engine``,
-    ``last_stats``, ``spec_config``, ``tokenizer``, ``layers`` and ``hf_model`` (the wrapped model). The rest
+    ``last_stats``, ``spec_config``, ``tokenizer``, ``layers``, ``tensor_parallel`` (the group the model is sharded
+    over, or None) and ``hf_model`` (the wrapped model). The rest
     is the model's:
 
     - an attribute the wrapper does not define is read from the model (``__getattr__``) and assigned on it,
@@ -96,12 +107,19 @@ class SparseSpecForCausalLM(torch.nn.Module):
     that reference away. torchspec routes attention to its paged ops only while its engine runs.
     """
 
-    def __init__(self, model: torch.nn.Module, config: SpecConfig, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: SpecConfig,
+        tokenizer: Any = None,
+        tensor_parallel: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.hf_model = model  # not a submodule: the wrapper shares the model's
         for name in _SHARED_MODULE_STATE:
             object.__setattr__(self, name, getattr(model, name))
         del self.__dict__["training"]  # read through to the model's flag
+        self.tensor_parallel = tensor_parallel  # the group ``model`` is sharded over (sparsespec.wrap)
         self.spec_config = config
         self.tokenizer = tokenizer
         self._tokenizer_searched = tokenizer is not None
@@ -165,7 +183,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
     def engine(self) -> Engine:
         """The engine, with its KV pool allocated on first use and kept for later calls."""
         if self._engine is None:
-            self._engine = Engine(self.hf_model, self.spec_config, self.layers)
+            self._engine = Engine(self.hf_model, self.spec_config, self.layers, tensor_parallel=self.tensor_parallel)
         return self._engine
 
     # -- generate --------------------------------------------------------------------------------------

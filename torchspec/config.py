@@ -113,6 +113,9 @@ class SpecConfig:
             ``"auto"`` (Triton on CUDA, the reference elsewhere) or ``"flex"`` (``"auto"`` with FlexAttention
             for prefill chunks: a document mask built from the slot lists; measured 6.5-7.4x slower than the Triton
             kernel's prefill on the H200, docs/performance.md).
+        tensor_parallel_size: shard the attention heads and MLP of each layer over this many ranks of
+            torch.distributed (launched by torchrun; torchspec/parallel/): each rank holds its heads' K/V and runs
+            the same schedule on the same tokens. 1 = no sharding.
     """
 
     draft: str | None = DEFAULT_DRAFT
@@ -137,6 +140,7 @@ class SpecConfig:
     adaptive_rounds: bool = False
     fuse_layers: bool | None = None
     attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.draft is not None and self.draft not in DRAFT_POLICIES:
@@ -172,6 +176,15 @@ class SpecConfig:
         _require(
             self.attention_backend in BACKENDS,
             f"attention_backend must be one of {list(BACKENDS)}, got {self.attention_backend!r}",
+        )
+        _require(
+            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
+        )
+        _require(
+            self.tensor_parallel_size == 1 or not self.adaptive_rounds,
+            "adaptive_rounds=True chooses round lengths from each rank's own step timings, so tensor-parallel ranks "
+            "would schedule differently: use adaptive_rounds=False with tensor_parallel_size > 1",
         )
         for name in ("offload", "unified_schedule", "head_budgets", "adaptive_rounds"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")

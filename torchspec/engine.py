@@ -16,6 +16,7 @@ from torchspec.fused_layers import FusedLayers
 from torchspec.hf import routed_attention
 from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens, bytes_per_token, step_workspace_bytes
 from torchspec.kv_offload import OffloadStats, auto_host_capacity_tokens
+from torchspec.parallel.group import TensorParallel
 from torchspec.request import FinishReason, Request, SamplingParams
 from torchspec.runner import LaunchedStep, Runner
 from torchspec.scheduler import Scheduler, StepPlan
@@ -101,8 +102,10 @@ class Engine:
         config: SpecConfig,
         layers: Sequence[LayerSpec],
         generator: torch.Generator | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         self.model = model
+        self.tensor_parallel = tensor_parallel
         self.config = config
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
@@ -120,6 +123,8 @@ class Engine:
             workspace_bytes=step_workspace_bytes(self.max_step_tokens, config.max_batch_size, k, self.vocab_size),
             host_ceiling_tokens=config.max_batch_size * (self.context_length or 32768),
         )
+        if tensor_parallel is not None:  # every rank admits the same requests: the smallest pool serves all
+            capacity = tensor_parallel.agree_min(capacity)
         self.pool = KVPool(layers, capacity, self.dtype, self.device)
         self.fused_layers = FusedLayers(model, layers, ops) if config.fuse_layers is not False else None
         self.runner = Runner(
@@ -140,6 +145,8 @@ class Engine:
             self.host_kv_capacity_tokens = config.host_kv_capacity_tokens or auto_host_capacity_tokens(
                 bytes_per_token(layers, self.dtype)
             )
+            if tensor_parallel is not None:
+                self.host_kv_capacity_tokens = tensor_parallel.agree_min(self.host_kv_capacity_tokens)
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy, config.unified_schedule)
         # Launch each step before reading the last one back (see SpecConfig). With speculation, a request's next
         # round launches while its last one is in flight where the runner places every draft list on the device
@@ -191,6 +198,8 @@ class Engine:
         self._run_start = time.perf_counter()
         self._run_steps = 0
         self.host_ms = dict.fromkeys(HOST_PHASES, 0.0)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.sync_rng()
         scheduler = Scheduler(
             self.pool.allocator,
             self.config.max_batch_size,

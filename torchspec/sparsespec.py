@@ -8,6 +8,7 @@ import torch
 
 from torchspec.causal_lm import SparseSpecForCausalLM
 from torchspec.config import SpecConfig
+from torchspec.parallel.sharding import parallelize
 
 
 def wrap(
@@ -17,8 +18,12 @@ def wrap(
 
     ``options`` are :class:`SpecConfig` fields (``draft``, ``k``, ``sparsity``, ``max_batch_size``,
     ``kv_capacity_tokens``, ...); pass either them or a ready ``config``. ``tokenizer`` lets
-    ``generate_batch`` take strings and return text.
+    ``generate_batch`` take strings and return text. With ``tensor_parallel_size`` > 1, every rank of the group
+    calls ``wrap`` on the same model (the whole model, loaded on its own device) and it is sharded in place.
     """
     if config is not None and options:
         raise ValueError("pass either a SpecConfig as `config` or its fields as keyword arguments, not both")
-    return SparseSpecForCausalLM(model, config or SpecConfig.from_kwargs(**options), tokenizer)
+    config = config or SpecConfig.from_kwargs(**options)
+    size = config.tensor_parallel_size
+    tensor_parallel = parallelize(model, size) if size > 1 else None
+    return SparseSpecForCausalLM(model, config, tokenizer, tensor_parallel)
