@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,8 @@ from torchspec.bench import suite
 from torchspec.causal_lm import RequestOutput, SparseSpecForCausalLM
 from torchspec.config import DEFAULT_DRAFT, DRAFT_POLICIES
 from torchspec.models import DEFAULT_MODEL_NAME, load_model
+from torchspec.parallel import init_distributed, launched_world_size, rank_device
+from torchspec.parallel.replicas import generate_replicated
 from torchspec.workloads import chat_token_ids, read_prompts
 
 
@@ -44,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
     add_device_arguments(gen)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--tp",
+        type=at_least(1),
+        default=1,
+        help="tensor-parallel size under torchrun: shard the model over this many ranks; the launch's "
+        "WORLD_SIZE / tp replicas split the prompts (default 1)",
+    )
     gen.add_argument("--output", help="write one JSON line per prompt to this file")
     bench = commands.add_parser(
         "bench",
@@ -66,8 +76,9 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         texts = [args.prompt]
     with contextlib.ExitStack() as stack:
-        # Open the output first: a bad path fails now, not after the whole generation.
-        sink = stack.enter_context(open(args.output, "w")) if args.output else None
+        # Open the output first: a bad path fails now, not after the whole generation. Rank 0 reports for all.
+        report = int(os.environ.get("RANK", "0")) == 0
+        sink = stack.enter_context(open(args.output, "w")) if args.output and report else None
         model, tokenizer = _load(args)
         prompts = [
             tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -78,30 +89,37 @@ def _generate(args: argparse.Namespace) -> int:
         sampling: dict = {"max_new_tokens": args.max_new_tokens, "do_sample": args.temperature > 0}
         if args.temperature > 0:
             sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-        if args.prompt is not None and sink is None:
+        if args.prompt is not None and args.output is None and launched_world_size() == 1:
             _stream(model, tokenizer, prompts[0], sampling)
         else:
-            outputs = model.generate_batch(prompts, **sampling)
+            outputs = generate_replicated(model, prompts, progress_bar=report, **sampling)
             for text, output in zip(texts, outputs, strict=True):
                 if sink is not None:
                     sink.write(json.dumps(_record(text, output)) + "\n")
+                elif not report:
+                    continue
                 elif output.error:
                     print(f"[{output.index}] error: {output.error}")
                 else:
                     print(f"[{output.index}] {output.text}\n")
-    print(model.last_stats.summary(), file=sys.stderr)
+    if report:
+        print(model.last_stats.summary(), file=sys.stderr)
     return 0
 
 
 def _load(args: argparse.Namespace) -> tuple[SparseSpecForCausalLM, Any]:
     dtype = model_dtype(args.dtype, args.device)
     torch.manual_seed(args.seed)
-    hf_model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
+    device = rank_device(args.device)
+    if launched_world_size() > 1:  # torchrun: replicas (and tensor-parallel groups) of one world
+        init_distributed(device, "a torchrun launch")
+    hf_model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     model = sparsespec.wrap(
         hf_model,
         tokenizer=tokenizer,
         draft=None if args.draft == "none" else args.draft,
         max_batch_size=args.max_batch_size,
+        tensor_parallel_size=args.tp,
     )
     return model, tokenizer
 

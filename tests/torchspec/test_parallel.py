@@ -8,8 +8,11 @@ a single-process run. fp32 tiny models with peaked logits, so greedy tokens are 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +29,7 @@ from torchspec.parallel import BackendError, LayoutError, RowParallelLinear
 from torchspec.parallel.layout import check_backend, check_devices, kv_heads_per_rank
 from torchspec.parallel.replicas import balanced_split, generate_replicated
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 NEW_TOKENS = 24
 BATCH = Batch((5, 11, 3), seed=1)
@@ -179,3 +183,26 @@ def test_tensor_parallel_without_distributed_says_how_to_launch(monkeypatch) -> 
     with pytest.raises(BackendError, match="which is not initialised: launch with torchrun"):
         sparsespec.wrap(model, tensor_parallel_size=2)
     assert not any(isinstance(m, RowParallelLinear) for m in model.modules())  # refused before any change
+
+
+@pytest.mark.slow
+def test_cli_under_torchrun_answers_every_prompt_in_order(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 -m torchspec generate``: two replicas of the embedded model write what one
+    process writes (greedy), in input order."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    args = ["generate", "--reasoning-prompts", "--limit", "3", "--max-new-tokens", "8"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
+    launchers = {
+        "single": [sys.executable, "-m", "torchspec"],
+        "replicas": [*torchrun, str(_free_port()), "-m", "torchspec"],
+    }
+    records = {}
+    for name, launcher in launchers.items():
+        out = tmp_path / f"{name}.jsonl"
+        run = subprocess.run(
+            [*launcher, *args, "--output", str(out)], env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        records[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records["single"]) == 3
+    assert records["replicas"] == records["single"]
