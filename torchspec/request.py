@@ -129,8 +129,9 @@ class Request:
 
     @property
     def decoding(self) -> bool:
-        """Past the prompt: only the newest token lacks K/V, so the next step drafts or verifies."""
-        return self.num_pending_tokens == 1
+        """Past the prompt: only the newest token, a sampled one, lacks K/V, so the next step drafts or verifies
+        (fed it on the device). A one-token prompt also lacks K/V for one token, but is prefilled first."""
+        return self.num_pending_tokens == 1 and self.num_output_tokens > 0
 
     @property
     def remaining_tokens(self) -> int:
