@@ -34,15 +34,17 @@ WORLD = 2
 NEW_TOKENS = 24
 BATCH = Batch((5, 11, 3), seed=1)
 # name -> (spec, options): Qwen3 with 2 KV heads split one per rank; Llama with 1 KV head replicated on both;
-# the padded static path GPUs capture (cuda_graphs=True runs it uncaptured on a CPU); offload's host tier.
+# the padded static path GPUs capture (cuda_graphs=True runs it uncaptured on a CPU); Mistral with an 8-token
+# sliding window; offload's host tier.
 TP_CASES = {
     "qwen3-plain": (tiny_spec("qwen3"), {"draft": None}),
     "qwen3-pillar_recent": (tiny_spec("qwen3"), {}),
     "llama-kv1-pillar_recent": (tiny_spec("llama", num_kv_heads=1), {}),
     "qwen3-graphs": (tiny_spec("qwen3"), {"cuda_graphs": True}),
+    "mistral-window8": (tiny_spec("mistral", sliding_window=8), {}),
     "qwen3-offload": (tiny_spec("qwen3"), {"offload": True}),
 }
-DP_PROMPTS = [[3 + (7 * i + j) % 120 for j in range(n)] for i, n in enumerate((9, 2, 14, 5, 5, 30, 2))]
+DP_PROMPTS = [[3 + (7 * i + j) % 120 for j in range(n)] for i, n in enumerate((9, 2, 14, 5, 5, 30, 1))]
 OPTIONS = {"max_batch_size": 4, "kv_capacity_tokens": 512}
 
 
