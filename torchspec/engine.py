@@ -302,6 +302,8 @@ class Engine:
         for plan, finished in self.steps(requests):
             if on_step is not None:
                 on_step(plan, finished)
+        if self.tensor_parallel is not None:  # ranks that drifted apart would have mixed their partial sums
+            self.tensor_parallel.check_same(hash(tuple(tuple(r.token_ids) for r in requests)), "the tokens generated")
         return self.stats_for(requests)
 
     def stats_for(self, requests: Sequence[Request]) -> GenerationStats:

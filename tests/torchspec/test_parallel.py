@@ -80,6 +80,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         sampled = model.generate_batch(DP_PROMPTS[:3], max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0)
         results["sampled"] = [output.token_ids for output in sampled]
 
+        results["error/diverged"] = _error(lambda: model.tensor_parallel.check_same(rank, "the rank"))
+
         replicas = sparsespec.wrap(tiny_spec("qwen3").build(), **OPTIONS)
         results["dp"] = generate_replicated(replicas, DP_PROMPTS, max_new_tokens=NEW_TOKENS, progress_bar=False)
         if rank == 1:  # this replica fails; the other's requests still complete
@@ -161,6 +163,11 @@ def test_impossible_layouts_are_refused_by_name(ranks) -> None:
     assert errors["error/heads"].startswith("LayoutError: model.layers.0.self_attn: 3 attention heads")
     assert errors["error/kv_heads"].startswith("LayoutError: model.layers.0.self_attn: 3 KV heads can neither")
     assert errors["error/world"].startswith("LayoutError: tensor_parallel_size=4 does not divide the world of 2")
+
+
+def test_ranks_that_disagree_fail_together(ranks) -> None:
+    for result in ranks:  # each rank held its own number: both raise, neither waits for the other
+        assert result["error/diverged"].startswith("RuntimeError: tensor-parallel ranks disagree on the rank")
 
 
 def test_balanced_split_evens_the_load() -> None:

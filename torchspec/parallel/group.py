@@ -38,6 +38,20 @@ class TensorParallel:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
+    def check_same(self, fingerprint: int, what: str) -> None:
+        """Raise on every rank unless all ranks hold the same ``fingerprint`` (below 2**62 in magnitude, as
+        ``hash`` of ints and tuples is): ranks are meant to agree by construction, and a kernel that is not
+        deterministic would otherwise make them compute from different tokens without any error."""
+        tensor = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        highest, lowest = tensor[0].item(), -tensor[1].item()
+        if highest != lowest:
+            raise RuntimeError(
+                f"tensor-parallel ranks disagree on {what} (a kernel that is not deterministic, or random states set "
+                "apart from the engine); "
+                "the outputs of this call are not to be trusted"
+            )
+
     def sync_rng(self) -> None:
         """Give every rank the group's rank-0 random state on the model's device, so sampling draws the same
         tokens everywhere (a rank that drew differently would schedule differently and stall the group)."""
