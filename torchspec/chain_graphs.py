@@ -98,7 +98,7 @@ class ChainGraphs:
         self.capture = steps.capture
         self.captures = steps.captures  # one log for both kinds of graph
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # every chain graph's pool
-        self._lists = SharedStorage(torch.int64, self.device)  # every bucket's draft lists
+        self._lists = SharedStorage(torch.int64, self.device, self.buckets[-1])  # every bucket's draft lists
         self.k = k
         self.generator = generator
         self._steps: dict[int, _ChainStep] = {}
@@ -147,10 +147,7 @@ class ChainGraphs:
             positions=zeros(later, size),
             slots=zeros(later, size),
             indptr=zeros(later, size + 1),
-            lists=self._lists.view(
-                (len(self.sparse_layers), heads, capacity),
-                reserve=len(self.sparse_layers) * heads * capacity * self.buckets[-1] // size,
-            ),
+            lists=self._lists.view((len(self.sparse_layers), heads, capacity), size),
             list_hint=hint,
             tokens=zeros(self.k, size),
             cu_seqlens_q=torch.arange(size + 1, device=self.device),

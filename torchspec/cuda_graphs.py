@@ -55,16 +55,18 @@ class SharedStorage:
     them: ~26 GB of verify mass alone; W3 ran out of memory). A view larger than the storage gets a new one;
     graphs captured before keep theirs."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device, largest_bucket: int) -> None:
         self.dtype = dtype
         self.device = device
+        self.largest_bucket = largest_bucket
         self._storage: torch.Tensor | None = None
 
-    def view(self, shape: Sequence[int], reserve: int = 0) -> torch.Tensor:
-        """A zeroed ``shape`` view of the storage; a new storage holds at least ``reserve`` elements (room for
-        the larger buckets to come)."""
+    def view(self, shape: Sequence[int], bucket: int) -> torch.Tensor:
+        """A zeroed ``shape`` view of the storage for a bucket of ``bucket`` requests; a new storage has room for
+        the same view scaled to the largest bucket (the larger buckets to come)."""
         needed = math.prod(shape)
         if self._storage is None or self._storage.numel() < needed:
+            reserve = needed * self.largest_bucket // bucket
             self._storage = torch.empty(max(needed, reserve), dtype=self.dtype, device=self.device)
         return self._storage[:needed].view(*shape).zero_()
 
@@ -115,8 +117,8 @@ class StepGraphs:
         self.capture = device.type == "cuda"
         self._steps: dict[tuple[int, int], _StaticStep] = {}
         self._last: _StaticStep | None = None  # the bucket replayed most recently
-        self._mass = SharedStorage(MASS_DTYPE, device)  # every bucket's verify mass
-        self._draft_lists = SharedStorage(torch.int64, device)  # every bucket's draft lists
+        self._mass = SharedStorage(MASS_DTYPE, device, self.buckets[-1])  # every bucket's verify mass
+        self._draft_lists = SharedStorage(torch.int64, device, self.buckets[-1])  # every bucket's draft lists
         self.captures = CaptureLog()
 
     def eligible(self, metadata: AttentionMetadata, prefill: bool) -> bool:
@@ -197,12 +199,7 @@ class StepGraphs:
         if num_drafts:
             indptr = zeros(num_drafts + 1)
             draft_lists = self._draft_lists.view(
-                (len(self.sparse_layers), max(self.sparse_layers.values()), draft_capacity),
-                reserve=len(self.sparse_layers)
-                * max(self.sparse_layers.values())
-                * draft_capacity
-                * self.buckets[-1]
-                // num_drafts,
+                (len(self.sparse_layers), max(self.sparse_layers.values()), draft_capacity), num_drafts
             )
             draft = {
                 layer: KVView(indptr, draft_lists[i, :heads], draft_hint)
@@ -242,10 +239,9 @@ class StepGraphs:
     def _mass_buffer(self, num_verifies: int, width: int) -> tuple[torch.Tensor, dict[int, int]]:
         """A bucket's verify mass, a view of the storage every bucket shares (PillarAttn's Top-K reads a step's
         mass before the next forward), with room for the largest bucket."""
-        largest = math.prod(verify_mass_shape(self.sparse_layers, self.buckets[-1], width))
         shape = verify_mass_shape(self.sparse_layers, num_verifies, width)
         return verify_mass_buffer(
-            self.sparse_layers, num_verifies, width, self.device, out=self._mass.view(shape, largest)
+            self.sparse_layers, num_verifies, width, self.device, out=self._mass.view(shape, num_verifies)
         )
 
     def _fill(
