@@ -16,7 +16,7 @@ from attention.reference import store_kv as store_kv  # a plain index copy: no k
 __all__ = list(OP_NAMES)
 
 
-@torch.library.custom_op("torchspec::paged_attention", mutates_args=())
+@torch.library.custom_op("torchspec::paged_attention", mutates_args=("mass",))
 def _paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -33,6 +33,9 @@ def _paged_attention(
     first_indices: torch.Tensor | None,
     first_max_q_len: int | None,
     first_max_kv_len: int | None,
+    mass: torch.Tensor | None,
+    num_scored_queries: torch.Tensor | None,
+    max_scored_queries: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     first_lists = (
         FirstLists(num_first, first_indptr, first_indices, first_max_q_len, first_max_kv_len) if num_first else None
@@ -49,44 +52,15 @@ def _paged_attention(
         max_q_len=max_q_len,
         max_kv_len=max_kv_len,
         first_lists=first_lists,
+        mass=mass,
+        num_scored_queries=num_scored_queries,
+        max_scored_queries=max_scored_queries,
     )
 
 
 @_paged_attention.register_fake
 def _(query, k_cache, v_cache, cu_seqlens_q, kv_indptr, kv_indices, scale, sliding_window, *args):
     return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
-
-
-@torch.library.custom_op("torchspec::attention_mass", mutates_args=("out",))
-def _attention_mass(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    num_scored_queries: torch.Tensor,
-    max_scored: int | None,
-    out: torch.Tensor,
-) -> None:
-    paged.attention_mass(
-        query,
-        k_cache,
-        cu_seqlens_q,
-        kv_indptr,
-        kv_indices,
-        lse,
-        scale,
-        num_scored_queries,
-        max_scored=max_scored,
-        out=out,
-    )
-
-
-@_attention_mass.register_fake
-def _(query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, lse, scale, num_scored_queries, max_scored, out):
-    return None
 
 
 def paged_attention(
@@ -102,6 +76,9 @@ def paged_attention(
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     first_lists: FirstLists | None = None,
+    mass: torch.Tensor | None = None,
+    num_scored_queries: torch.Tensor | None = None,
+    max_scored_queries: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`attention.reference.paged_attention`; the keyword hints spare the kernel a device sync."""
     first = first_lists if first_lists is not None else FirstLists(0, None, None)
@@ -117,30 +94,10 @@ def paged_attention(
         max_q_len,
         max_kv_len,
         *first,
+        mass,
+        num_scored_queries,
+        max_scored_queries,
     )
-
-
-def attention_mass(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    num_scored_queries: torch.Tensor,
-    *,
-    max_scored: int | None = None,
-    max_kv_len: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """See :func:`attention.reference.attention_mass`."""
-    if out is None:
-        out = paged.mass_buffer(k_cache, cu_seqlens_q, kv_indptr, max_kv_len)
-    _attention_mass(
-        query, k_cache, cu_seqlens_q, kv_indptr, kv_indices, lse, scale, num_scored_queries, max_scored, out
-    )
-    return out
 
 
 @torch.library.custom_op("torchspec::rms_norm", mutates_args=())

@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.reference import MASS_DTYPE, FirstLists
+from attention import reference
+from attention.reference import FirstLists
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64  # list entries per block of the verify-score pass
+MASS_MAX_LOG2: tl.constexpr = tl.constexpr(reference.MASS_MAX_LOG2)
 MIN_SPLIT_ENTRIES = 256  # a KV split never holds fewer list entries than this
 MAX_SPLITS = 64
 # A program's fixed cost in blocks of list entries (pipeline fill, its partial output and the merge's read of
@@ -52,6 +53,13 @@ def _load_rows(base, slots, stride_slot, offset, dims, rows_valid, HEAD_DIM: tl.
 
 
 @triton.jit
+def _entry_logits(q, K, slot, kv_head, stride_ks, stride_kh, dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Each row's logit for the K row at ``slot`` (unscaled)."""
+    k = tl.load(K + slot * stride_ks + kv_head * stride_kh + dims, mask=dims < HEAD_DIM, other=0.0)
+    return tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit
 def _attend_block(
     q,
     m_i,
@@ -70,16 +78,22 @@ def _attend_block(
     last_visible,
     window,
     scale_log2,
+    mass_base,
+    mass_ptr,
+    mass_end,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SCORED: tl.constexpr,
 ):
     """One block of ``BLOCK_N`` list entries folded into the online softmax (running max in log2 units of the
     scaled logits). ``MASKED=False`` is for blocks that are whole, visible to every row and free of padding:
-    no masks, and a running max that cannot be -inf after the block."""
+    no masks, and a running max that cannot be -inf after the block. ``SCORED``: also writes each entry's verify
+    mass (see ``reference.paged_attention``) to ``mass_ptr`` for entries below ``mass_end``, relative to each row's
+    ``mass_base`` (its sink logit in log2 units; +inf for rows not scored)."""
     entries = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     slots = tl.load(idx_ptr + entries, mask=entries < end, other=-1) if MASKED else tl.load(idx_ptr + entries)
@@ -91,6 +105,10 @@ def _attend_block(
         if HAS_WINDOW:
             visible = visible & (entries[None, :] > last_visible[:, None] - window)
         logits = tl.where(visible, logits, float("-inf"))
+    if SCORED:
+        weights = tl.exp2(tl.minimum(logits * scale_log2 - mass_base[:, None], MASS_MAX_LOG2))
+        tl.store(mass_ptr + entries, tl.sum(weights, axis=0).to(mass_ptr.dtype.element_ty),
+                 mask=entries < mass_end)  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(logits, axis=1) * scale_log2)
     m_ref = m_new
     if MASKED:
@@ -132,6 +150,10 @@ def _attend_work(
     stride_ls,
     scale_log2,
     window,
+    Mass,
+    num_scored,
+    stride_mh,
+    stride_mb,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -140,13 +162,17 @@ def _attend_work(
     PADDED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SCORED: tl.constexpr,
 ):
     """Work item ``work`` of one list set, numbered with the KV head fastest (a slot's heads are adjacent in the
     pool), then the split, the row tile and the request: the online softmax of one tile of (query token, group
     head) rows over split ``split`` of ``num_splits`` of the visible list entries; writes the normalised
-    partial output and its LSE (natural log). A tile past its request's rows reads and writes nothing.
+    partial output and its LSE (natural log). A request's tiles end at its last row (the first one may start
+    before its first); a tile past its request's rows reads and writes nothing.
     ``PADDED``: the set's lists are per KV head and may hold -1 padding anywhere, so every block is masked;
-    shared lists hold only real slots (the reference's contract), so their whole visible blocks are not."""
+    shared lists hold only real slots (the reference's contract), so their whole visible blocks are not.
+    ``SCORED``: the request's last ``num_scored`` query tokens (all in its last tile) also write the verify mass of
+    the split's entries to the request's row of ``Mass``."""
     kv_head = work % num_kv_heads
     rest = work // num_kv_heads
     split = rest % num_splits
@@ -158,10 +184,12 @@ def _attend_work(
     kv_start = tl.load(indptr + request)
     kv_len = tl.load(indptr + request + 1) - kv_start
     idx_ptr = indices + kv_head * stride_idx + kv_start
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    request_tiles = tl.cdiv(q_len * GROUP, BLOCK_M)
+    rows = q_len * GROUP - (request_tiles - tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = (rows >= 0) & (rows < q_len * GROUP)
+    rows = tl.maximum(rows, 0)  # rows before the request's first repeat it, unwritten
     token = rows // GROUP
     q_head = kv_head * GROUP + rows % GROUP
-    row_valid = token < q_len
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM
     q = tl.load(
@@ -172,13 +200,13 @@ def _attend_work(
 
     # Query token i sees list entries j <= last_visible(i) (and > last_visible(i) - window).
     last_visible = kv_len - q_len + token
-    first_token = tile * BLOCK_M // GROUP
-    last_token = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
+    first_token = tl.min(token, axis=0)
+    last_token = tl.max(token, axis=0)
     hi = kv_len - q_len + last_token + 1
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(0, kv_len - q_len + first_token - window + 1)
-    hi = tl.where(tile * BLOCK_M < q_len * GROUP, hi, lo)  # a tile with no query row of the request reads nothing
+    hi = tl.where(tile < request_tiles, hi, lo)  # a tile with no query row of the request reads nothing
     split_size = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
     split_lo = lo + split * split_size
     split_hi = tl.minimum(hi, split_lo + split_size)
@@ -188,20 +216,38 @@ def _attend_work(
     if not PADDED and not HAS_WINDOW:
         open_end = tl.minimum(split_hi, kv_len - q_len + first_token + 1)
         full_hi = split_lo + tl.maximum(0, open_end - split_lo) // BLOCK_N * BLOCK_N
+    mass_base = tl.zeros([BLOCK_M], tl.float32)
+    mass_ptr = Mass
+    mass_end = 0
+    if SCORED:
+        count = tl.minimum(tl.load(num_scored + request), q_len)
+        scored = row_valid & (token >= q_len - count)
+        # Relative to the larger of each row's logits for the list's first entry (the sink) and its last (the
+        # newest token): a base no pass has to finish first, and near the row's largest logit in sink and in
+        # local heads alike (weights past 2 ** MASS_MAX_LOG2 would tie).
+        first = _entry_logits(q, K, tl.load(idx_ptr, mask=kv_len > 0, other=0), kv_head, stride_ks, stride_kh, dims,
+                              HEAD_DIM, BLOCK_D)  # fmt: skip
+        last = _entry_logits(q, K, tl.load(idx_ptr + tl.maximum(kv_len - 1, 0), mask=kv_len > 0, other=0), kv_head,
+                             stride_ks, stride_kh, dims, HEAD_DIM, BLOCK_D)  # fmt: skip
+        mass_base = tl.where(scored, tl.maximum(first, last) * scale_log2, float("inf"))
+        mass_ptr = Mass + kv_head * stride_mh + request * stride_mb
+        mass_end = tl.where((count > 0) & (tile == request_tiles - 1), split_hi, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(split_lo, full_hi, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, start, split_hi, idx_ptr, K, V, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-            last_visible, window, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_WINDOW, DOT_PRECISION,
+            last_visible, window, scale_log2, mass_base, mass_ptr, mass_end, HEAD_DIM, BLOCK_D, BLOCK_N,
+            False, HAS_WINDOW, DOT_PRECISION, SCORED,
         )  # fmt: skip
     # The masked blocks are the whole range of padded lists and windows (pipelined like the main loop), else at
     # most two blocks at the causal edge, where a pipeline's prologue would cost more than it hides.
     for start in tl.range(full_hi, split_hi, BLOCK_N, num_stages=None if PADDED or HAS_WINDOW else 1):
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, start, split_hi, idx_ptr, K, V, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-            last_visible, window, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
+            last_visible, window, scale_log2, mass_base, mass_ptr, mass_end, HEAD_DIM, BLOCK_D, BLOCK_N,
+            True, HAS_WINDOW, DOT_PRECISION, SCORED,
         )  # fmt: skip
 
     seen = l_i > 0
@@ -237,11 +283,11 @@ _PER_STEP = [
 
 
 @triton.jit(
-    do_not_specialize=["num_first", "programs_second", "window", *_PER_STEP],
+    do_not_specialize=["num_first", "programs_second", "window", "stride_mh", "stride_mb", *_PER_STEP],
     # Arrays a program reads a few scalars of: aligned loads buy nothing, and as rows of a graph's per-forward
     # buffers (a chain graph's list offsets, [forwards, D' + 1]) their addresses alternate between 16-byte
     # aligned and not, so Triton would compile each kernel twice (1-4 s apiece on an H200, mid-run).
-    do_not_specialize_on_alignment=["cu_seqlens_q", "indptr_first", "indptr_second"],
+    do_not_specialize_on_alignment=["cu_seqlens_q", "indptr_first", "indptr_second", "num_scored"],
 )
 def _attention_kernel(
     Q,
@@ -285,6 +331,10 @@ def _attention_kernel(
     stride_vh,
     scale_log2,
     window,
+    Mass,
+    num_scored,
+    stride_mh,
+    stride_mb,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -297,6 +347,7 @@ def _attention_kernel(
     PADDED_SECOND: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SCORED: tl.constexpr,
 ):
     """A flat grid of work items: the second list set's first (shared full lists: the long verify, decode
     and prefill work), then the first set's (short sparse drafts), so the GPU starts the longest programs
@@ -310,16 +361,17 @@ def _attention_kernel(
                 pid, num_first, Q, K, V, Out_second, Lse_second, cu_seqlens_q, indptr_second, indices_second,
                 stride_idx_second, num_kv_heads, tiles_second, splits_second, stride_qt, stride_qh, stride_ks,
                 stride_kh, stride_vs, stride_vh, stride_ot_second, stride_oh_second, stride_os_second,
-                stride_lt_second, stride_lh_second, stride_ls_second, scale_log2, window, GROUP, HEAD_DIM, BLOCK_D,
-                BLOCK_M_SECOND, BLOCK_N, PADDED_SECOND, HAS_WINDOW, DOT_PRECISION,
+                stride_lt_second, stride_lh_second, stride_ls_second, scale_log2, window, Mass, num_scored, stride_mh,
+                stride_mb, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M_SECOND, BLOCK_N, PADDED_SECOND, HAS_WINDOW, DOT_PRECISION,
+                SCORED,
             )  # fmt: skip
     elif HAS_FIRST:
         _attend_work(
             pid - programs_second, 0, Q, K, V, Out_first, Lse_first, cu_seqlens_q, indptr_first, indices_first,
             stride_idx_first, num_kv_heads, tiles_first, splits_first, stride_qt, stride_qh, stride_ks, stride_kh,
             stride_vs, stride_vh, stride_ot_first, stride_oh_first, stride_os_first, stride_lt_first,
-            stride_lh_first, stride_ls_first, scale_log2, window, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M_FIRST,
-            BLOCK_N, PADDED_FIRST, HAS_WINDOW, DOT_PRECISION,
+            stride_lh_first, stride_ls_first, scale_log2, window, Mass, num_scored, stride_mh, stride_mb, GROUP,
+            HEAD_DIM, BLOCK_D, BLOCK_M_FIRST, BLOCK_N, PADDED_FIRST, HAS_WINDOW, DOT_PRECISION, False,
         )  # fmt: skip
 
 
@@ -373,86 +425,6 @@ def _merge_splits_kernel(
         Lse + token * num_heads + head,
         tl.where(total > 0, top_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")),
     )
-
-
-@triton.jit(
-    do_not_specialize=["num_splits", "stride_mh", "stride_mb"],
-    do_not_specialize_on_alignment=["Lse", "cu_seqlens_q", "kv_indptr", "num_scored"],  # as _attention_kernel's
-)
-def _mass_kernel(
-    Q,
-    K,
-    Lse,
-    Mass,
-    cu_seqlens_q,
-    kv_indptr,
-    kv_indices,
-    num_scored,
-    num_splits,
-    stride_qt,
-    stride_qh,
-    stride_ks,
-    stride_kh,
-    stride_lt,
-    stride_lh,
-    stride_mh,
-    stride_mb,
-    scale_log2,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One (request, KV head, split of its list): exact probabilities ``exp(q.k * scale - lse)`` of the
-    request's last ``num_scored`` queries, summed over them and the group's heads, divided by their count,
-    written to the request's row of ``Mass`` in list order. The queries and their LSE are loaded once, then the
-    split's blocks of K rows stream through."""
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    count = tl.load(num_scored + b)
-    kv_start = tl.load(kv_indptr + b)
-    kv_len = tl.load(kv_indptr + b + 1) - kv_start
-    split_size = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_size
-    hi = tl.minimum(kv_len, lo + split_size)
-    if count == 0 or lo >= hi:
-        return
-    q_end = tl.load(cu_seqlens_q + b + 1)
-    q_len = q_end - tl.load(cu_seqlens_q + b)
-    count = tl.minimum(count, q_len)
-
-    rows = tl.arange(0, BLOCK_M)
-    token = rows // GROUP  # 0 .. count - 1 among the scored queries
-    q_head = kv_head * GROUP + rows % GROUP
-    row_valid = token < count
-    dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < HEAD_DIM
-    tok = q_end - count + token
-    q = tl.load(
-        Q + tok[:, None] * stride_qt + q_head[:, None] * stride_qh + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    ).to(K.dtype.element_ty)
-    lse = tl.load(Lse + tok * stride_lt + q_head * stride_lh, mask=row_valid, other=float("inf"))
-    lse_log2 = lse * 1.4426950408889634
-    last_visible = kv_len - count + token
-    for start in tl.range(lo, hi, BLOCK_N):
-        entries = start + tl.arange(0, BLOCK_N)
-        in_list = entries < hi
-        slots = tl.load(kv_indices + kv_start + entries, mask=in_list, other=0)
-        k = tl.load(
-            K + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-            mask=in_list[:, None] & dim_valid[None, :],
-            other=0.0,
-        )
-        logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        visible = row_valid[:, None] & in_list[None, :] & (entries[None, :] <= last_visible[:, None])
-        probs = tl.where(visible, tl.exp2(logits * scale_log2 - lse_log2[:, None]), 0.0)
-        mass = tl.sum(probs, axis=0) / (count * GROUP)
-        tl.store(Mass + kv_head * stride_mh + b * stride_mb + entries, mass.to(Mass.dtype.element_ty), mask=in_list)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -628,6 +600,9 @@ def paged_attention(
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     first_lists: FirstLists | None = None,
+    mass: torch.Tensor | None = None,
+    num_scored_queries: torch.Tensor | None = None,
+    max_scored_queries: int | None = None,
     num_splits: int | tuple[int, int] | None = None,
     launch: LaunchConfig | None = None,
     split_overhead: int = SPLIT_OVERHEAD_BLOCKS,
@@ -635,7 +610,8 @@ def paged_attention(
     """Triton version of :func:`attention.reference.paged_attention` (same arguments and results).
 
     ``max_q_len``/``max_kv_len`` bound the query and list lengths of the requests that read
-    ``kv_indptr``/``kv_indices`` (read from the tensors when omitted, at the cost of a device sync);
+    ``kv_indptr``/``kv_indices`` (read from the tensors when omitted, at the cost of a device sync), as
+    ``max_scored_queries`` bounds ``num_scored_queries``;
     ``first_lists`` gives the first requests their own lists (one launch for drafts and verifies);
     ``num_splits`` forces the KV split count, of both list sets or ``(first, second)``; ``launch`` the tile
     and pipeline shape; ``split_overhead`` is the split planner's per-program cost in blocks (tests and the
@@ -664,6 +640,19 @@ def paged_attention(
     ]
     block_m = [_block_m(q_len * group) for q_len in q_lens]
     tiles = [triton.cdiv(q_len * group, m) for q_len, m in zip(q_lens, block_m, strict=True)]
+    scored = mass is not None and requests[1] > 0
+    if scored:
+        if kv_indices.dim() != 1 or sliding_window is not None:
+            raise ValueError("the verify mass is scored over full lists only (shared by the KV heads, no window)")
+        if max_scored_queries is None:
+            max_scored_queries = int(num_scored_queries.max())
+        if max_scored_queries * group > min(block_m[1], reference.MAX_SCORED_ROWS):
+            raise ValueError(
+                f"{max_scored_queries} scored queries x {group} heads exceed a tile of {block_m[1]} rows: score at "
+                f"most {block_m[1] // group} queries"
+            )
+    else:
+        mass, num_scored_queries = lse, cu_seqlens_q  # placeholders the kernel never reads
     # One pipeline for both sets: the larger tile's. Chosen by which sets are present, not by their sizes: a
     # choice by the heavier set's work flipped as a draining batch mixed a few verifies with many drafts, and
     # each flip compiled another variant of this kernel mid-run (~1 s each).
@@ -687,6 +676,7 @@ def paged_attention(
         PADDED_SECOND=lists[1][1].dim() == 2,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(query.dtype),
+        SCORED=scored,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
@@ -706,7 +696,8 @@ def paged_attention(
         programs = [s.num_requests * s.tiles * num_kv_heads * s.splits for s in sets]
         args = [query, k_cache, v_cache, cu_seqlens_q, num_first, programs[1], num_kv_heads, *sets[1].args(),
                 *sets[0].args(), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
-                v_cache.stride(0), v_cache.stride(1), scale * LOG2E, sliding_window or 0]  # fmt: skip
+                v_cache.stride(0), v_cache.stride(1), scale * LOG2E, sliding_window or 0, mass, num_scored_queries,
+                mass.stride(0), mass.stride(1) if mass.dim() > 1 else 0]  # fmt: skip
         return sum(programs), args, part
 
     if num_splits is not None:
@@ -753,74 +744,3 @@ def paged_attention(
             BLOCK_S=max(2, triton.next_power_of_2(max(splits))),
         )
     return out, lse
-
-
-def mass_buffer(
-    k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_indptr: torch.Tensor, max_kv_len: int | None
-) -> torch.Tensor:
-    """An ``attention_mass`` result to write into: ``[Hkv, requests, width]`` (width: ``max_kv_len``, else the
-    longest list, a device sync)."""
-    width = max_kv_len if max_kv_len is not None else _max_len(kv_indptr)
-    return k_cache.new_empty(k_cache.shape[1], cu_seqlens_q.shape[0] - 1, width, dtype=MASS_DTYPE)
-
-
-def attention_mass(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    num_scored_queries: torch.Tensor,
-    *,
-    max_scored: int | None = None,
-    max_kv_len: int | None = None,
-    num_splits: int | None = None,
-    split_overhead: int = SPLIT_OVERHEAD_BLOCKS,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Triton version of :func:`attention.reference.attention_mass` (same arguments and result): a second
-    pass over the K rows of scored requests only, re-materialising probabilities from the returned LSE.
-    Each list is cut into ``num_splits`` chunks (tests and the kernel benchmark; default: planned like the
-    attention's splits, with ``split_overhead``, which here need no merge: every entry's mass is written once)."""
-    num_kv_heads = k_cache.shape[1]
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    group = num_heads // num_kv_heads
-    device = query.device
-    num_requests = cu_seqlens_q.shape[0] - 1
-    mass = out if out is not None else mass_buffer(k_cache, cu_seqlens_q, kv_indptr, max_kv_len)
-    mass.zero_()
-    max_kv_len = mass.shape[-1]
-    if num_requests == 0 or kv_indices.shape[-1] == 0:
-        return mass
-    if max_scored is None:
-        max_scored = int(num_scored_queries.max())
-    if max_scored == 0:
-        return mass
-    constexprs = dict(
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim),
-        BLOCK_M=max(16, triton.next_power_of_2(max_scored * group)),
-        BLOCK_N=BLOCK_N,
-        DOT_PRECISION=_dot_precision(query.dtype),
-        # 2 warps: 0.216 against 0.252 ms with 4 (Triton's default) for one layer of W1 at 6.5K context (256
-        # verifies x 9 queries x 3 KV heads, bf16, H200, 4 splits; 128 entries per block: 0.287 ms).
-        num_warps=2,
-        num_stages=3,
-    )
-
-    def args(splits: int) -> list:
-        return [query, k_cache, lse, mass, cu_seqlens_q, kv_indptr, kv_indices, num_scored_queries, splits,
-                query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), lse.stride(0),
-                lse.stride(1), mass.stride(0), mass.stride(1), scale * LOG2E]  # fmt: skip
-
-    if num_splits is None:
-        sizes = ((0, 0), (num_requests * num_kv_heads, max_kv_len))
-        config = (query.dtype, k_cache.dtype, *constexprs.items())
-        num_splits = _planned_splits(
-            _mass_kernel, device, config, sizes, BLOCK_N, lambda plan: args(plan[1]), constexprs, split_overhead
-        )[1]
-    _mass_kernel[(num_requests, num_kv_heads, num_splits)](*args(num_splits), **constexprs)
-    return mass

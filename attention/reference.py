@@ -20,7 +20,6 @@ Layout conventions (shared by every implementation of these ops):
 
 from __future__ import annotations
 
-import itertools
 from typing import NamedTuple
 
 import torch
@@ -28,7 +27,6 @@ import torch
 #: The op set: every implementation (this module, the Triton ``attention.ops``) provides these functions.
 OP_NAMES = (
     "paged_attention",
-    "attention_mass",
     "store_kv",
     "rms_norm",
     "silu_and_mul",
@@ -36,10 +34,16 @@ OP_NAMES = (
     "warped_lse",
     "top_k_positions",
 )
-#: The verify mass PillarAttn ranks: fp16 keeps ~3 significant digits of each probability (a Top-K of
-#: averaged probabilities needs no more; below 6e-8 a mass becomes 0), and a 16-bit Top-K takes two radix passes
-#: where fp32 takes four: PillarAttn's Top-K over 23,040 rows x 6.4K (W1 at 6.5K context) is ~4 ms of a round.
-MASS_DTYPE = torch.float16
+#: The verify mass PillarAttn ranks: bf16 keeps ~2-3 significant digits (a Top-K needs no more) over fp32's range
+#: (weights relative to the sink span far more than fp16's), and a 16-bit Top-K takes two radix passes where fp32
+#: takes four: PillarAttn's Top-K over 23,040 rows x 6.4K (W1 at 6.5K context) is ~4 ms of a round.
+MASS_DTYPE = torch.bfloat16
+#: A scored query's weight for an entry (see ``paged_attention``) is capped at ``2 ** MASS_MAX_LOG2``: a sum of
+#: ``MAX_SCORED_ROWS`` of them stays inside bf16's range (2 ** 128).
+MASS_MAX_LOG2 = 120.0
+#: The most (scored query, GQA head) rows of one request: the kernel scores them in one tile of rows.
+MAX_SCORED_ROWS = 64
+LOG2E = 1.4426950408889634
 
 
 class FirstLists(NamedTuple):
@@ -88,6 +92,9 @@ def paged_attention(
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     first_lists: FirstLists | None = None,
+    mass: torch.Tensor | None = None,
+    num_scored_queries: torch.Tensor | None = None,
+    max_scored_queries: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a packed batch over per-request slot lists.
 
@@ -100,6 +107,17 @@ def paged_attention(
     per-head draft lists next to shared verify lists, one launch in the kernels); ``kv_indptr``/``kv_indices``
     then cover the remaining requests. ``max_q_len``/``max_kv_len`` (of the remaining requests) and the
     ones in ``first_lists`` are launch hints for the kernels (upper bounds), unused here.
+
+    ``mass`` (``[num_kv_heads, R, width]``, ``MASS_DTYPE``) with ``num_scored_queries`` (``[R]``) for the ``R``
+    requests that read ``kv_indptr``/``kv_indices``: the verify mass PillarAttn ranks, computed in the same pass
+    (the paper's zero-overhead identification). Request ``b``'s last ``num_scored_queries[b]`` query tokens
+    (0: none, its row untouched) weigh every entry ``j`` they see by ``exp(logit_j - max(logit_0, logit_last))``:
+    its attention probability relative to that of the list's first entry (the sink every full list starts with)
+    or of its last (the newest token), whichever is larger, a base that needs no normaliser the pass has not
+    finished yet (``2 ** MASS_MAX_LOG2`` at most). Row ``b`` of each KV head gets the
+    sum over those queries and the head's GQA group, in list order; entries past the list are left as they were.
+    Full lists only (shared, no window). ``max_scored_queries`` bounds the counts (a launch hint); a request's
+    scored queries times ``group`` may not exceed ``MAX_SCORED_ROWS``.
     """
     if first_lists is not None:
         num_first, first_indptr, first_indices = first_lists[:3]
@@ -123,6 +141,8 @@ def paged_attention(
             kv_indices,
             scale,
             sliding_window,
+            mass=mass,
+            num_scored_queries=num_scored_queries,
         )
         return torch.cat([first[0], rest[0]]), torch.cat([first[1], rest[1]])
     num_tokens, num_heads, head_dim = query.shape
@@ -131,6 +151,9 @@ def paged_attention(
         raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
     per_head_lists = kv_indices.dim() == 2
+    if mass is not None and (per_head_lists or sliding_window is not None):
+        raise ValueError("the verify mass is scored over full lists only (shared by the KV heads, no window)")
+    scored = num_scored_queries.tolist() if mass is not None else None
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=query.device)
     q_bounds = cu_seqlens_q.tolist()
@@ -161,59 +184,14 @@ def paged_attention(
         request_out = torch.matmul(probs, values.float()[:, None])  # [Hkv, G, q_len, D]
         out[q_start:q_end] = request_out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
         lse[q_start:q_end] = request_lse.permute(2, 0, 1).reshape(q_len, num_heads)
+        count = min(scored[b], q_len) if scored is not None else 0
+        if count:
+            scored_logits = logits[:, :, q_len - count :]
+            ends = torch.matmul(q[:, :, q_len - count :], keys.float()[:, None, [0, -1]].transpose(-1, -2)) * scale
+            base = ends.amax(dim=-1, keepdim=True)  # [Hkv, G, count, 1]: the larger of the first and last entry's
+            weights = torch.exp2(((scored_logits - base) * LOG2E).clamp(max=MASS_MAX_LOG2))  # invisible: 0
+            mass[:, b, :kv_len] = weights.sum(dim=(1, 2)).to(mass.dtype)
     return out.to(query.dtype), lse
-
-
-def attention_mass(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    num_scored_queries: torch.Tensor,
-    *,
-    max_scored: int | None = None,
-    max_kv_len: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Exact attention probability of every list entry, averaged over queries and each GQA group's heads.
-
-    For request ``b`` the last ``num_scored_queries[b]`` query tokens are scored (0 = not scored, its
-    entries stay 0); probabilities are rematerialised from the logits and the ``lse`` the attention pass
-    returned, ``exp(q.k * scale - lse)``, with the same causal mask. Shared lists only (``kv_indices`` of
-    shape ``[N]``). Returns ``[num_kv_heads, requests, width]`` in ``MASS_DTYPE``: row ``b`` holds the mass of request
-    ``b``'s list entries in list order, zeros past its list. ``width`` is ``max_kv_len`` (at least every list's
-    length; None: the longest), so a reader takes a Top-K per request without regrouping a flat list.
-    ``max_scored`` is a launch hint for the kernels, unused here. ``out``: where to write it (zeroed first; its
-    width is the width; the engine gives each layer its slab of one buffer, which the draft policy then reads in
-    place); None: a new one.
-    """
-    num_kv_heads = k_cache.shape[1]
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    group = num_heads // num_kv_heads
-    q_bounds, kv_bounds, scored = cu_seqlens_q.tolist(), kv_indptr.tolist(), num_scored_queries.tolist()
-    lengths = [end - start for start, end in itertools.pairwise(kv_bounds)]
-    width = out.shape[-1] if out is not None else max_kv_len if max_kv_len is not None else max(lengths, default=0)
-    if max(lengths, default=0) > width:  # the Triton kernel would write past its row (it cannot check)
-        raise ValueError(f"max_kv_len={width} is shorter than the longest list ({max(lengths)} entries)")
-    mass = out if out is not None else query.new_empty(num_kv_heads, len(lengths), width, dtype=MASS_DTYPE)
-    mass.zero_()
-    for b in range(len(q_bounds) - 1):
-        if scored[b] == 0:
-            continue
-        q_end, kv_start, kv_end = q_bounds[b + 1], kv_bounds[b], kv_bounds[b + 1]
-        q_len, kv_len = q_end - q_bounds[b], kv_end - kv_start
-        count = min(scored[b], q_len)
-        keys = k_cache[kv_indices[kv_start:kv_end]].transpose(0, 1).float()  # [Hkv, L, D]
-        q = query[q_end - count : q_end].float().reshape(count, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        logits = torch.matmul(q, keys.transpose(-1, -2)[:, None]) * scale  # [Hkv, G, count, L]
-        visible = _visible_mask(q_len, kv_len, None, query.device)[q_len - count :]
-        row_lse = lse[q_end - count : q_end].reshape(count, num_kv_heads, group).permute(1, 2, 0)[..., None]
-        probs = torch.exp(logits - row_lse).masked_fill(~visible, 0.0)
-        mass[:, b, :kv_len] = probs.mean(dim=(1, 2))
-    return mass
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

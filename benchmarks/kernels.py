@@ -2,8 +2,8 @@
 bandwidth (bytes of K/V a case must read / time).
 
 Cases per (model shape, batch, context): ``decode`` (1 query, full list), ``verify`` (k + 1 = 9 queries, full
-list), ``draft`` (1 query, per-KV-head lists of 5% of the context, gathered rows), ``mass`` (the PillarAttn
-score pass of verify requests: K only), and ``mixed`` (1 verify per 8 drafts) as one fused launch and as
+list), ``verify_scored`` (the verify also writing PillarAttn's verify mass), ``draft`` (1 query, per-KV-head
+lists of 5% of the context, gathered rows), and ``mixed`` (1 verify per 8 drafts) as one fused launch and as
 two launches. FlexAttention and SDPA decode over a dense ``[B, Hkv, L, D]`` copy of the same K/V (their
 best case: no paging). Times are medians of CUDA-graph replays (no host overhead), caches flushed.
 
@@ -67,7 +67,7 @@ class Case:
     ) -> None:
         self.shape, self.batch, self.context = shape, batch, context
         # Launch choices pinned for a sweep (``launch``, ``num_splits``, ``split_overhead``: keyword arguments of
-        # the Triton attention; the mass kernel takes the last two); none: the kernels' own.
+        # the Triton attention); none: the kernels' own.
         self.tuning = tuning
         device = torch.device("cuda")
         g = torch.Generator(device=device).manual_seed(0)
@@ -89,9 +89,6 @@ class Case:
         self.draft_indptr = torch.arange(batch + 1, device=device) * budget
         self.budget = budget
 
-    def mass_tuning(self) -> dict[str, object]:
-        return {name: value for name, value in self.tuning.items() if name != "launch"}
-
     def queries(self, q_len: int, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         batch = batch or self.batch
         q = torch.randn(
@@ -100,12 +97,20 @@ class Case:
         return q, torch.arange(batch + 1, device="cuda") * q_len
 
 
-def _ours(case: Case, q_len: int, per_head: bool) -> tuple[Callable[[], object], int]:
+def _ours(case: Case, q_len: int, per_head: bool, scored: bool = False) -> tuple[Callable[[], object], int]:
     from attention import paged
+    from attention.reference import MASS_DTYPE
 
     q, cu = case.queries(q_len)
     indptr, indices = (case.draft_indptr, case.draft_indices) if per_head else (case.full_indptr, case.full_indices)
     length = case.budget if per_head else case.context
+    mass = {}
+    if scored:
+        mass = dict(
+            mass=torch.empty(case.shape.num_kv_heads, case.batch, case.context, dtype=MASS_DTYPE, device="cuda"),
+            num_scored_queries=torch.full((case.batch,), q_len, device="cuda"),
+            max_scored_queries=q_len,
+        )
     fn = lambda: paged.paged_attention(  # noqa: E731
         q,
         case.k_cache,
@@ -116,6 +121,7 @@ def _ours(case: Case, q_len: int, per_head: bool) -> tuple[Callable[[], object],
         case.scale,
         max_q_len=q_len,
         max_kv_len=length,
+        **mass,
         **case.tuning,
     )
     return fn, 2 * case.batch * length * case.row_bytes
@@ -125,30 +131,6 @@ def _draft_floor(case: Case) -> tuple[Callable[[], object], int]:
     """The draft launch of this batch over two-entry lists: its fixed cost, which a draft pays whatever its
     context (the time above it is the streaming part; the small sizes' bandwidth is bounded by it)."""
     return _ours(Case(case.shape, case.batch, FLOOR_CONTEXT, **case.tuning), 1, per_head=True)
-
-
-def _mass(case: Case) -> tuple[Callable[[], object], int]:
-    from attention import paged
-
-    q, cu = case.queries(K + 1)
-    _, lse = paged.paged_attention(
-        q, case.k_cache, case.v_cache, cu, case.full_indptr, case.full_indices, case.scale, max_q_len=K + 1
-    )
-    scored = torch.full((case.batch,), K + 1, device="cuda")
-    fn = lambda: paged.attention_mass(  # noqa: E731
-        q,
-        case.k_cache,
-        cu,
-        case.full_indptr,
-        case.full_indices,
-        lse,
-        case.scale,
-        scored,
-        max_scored=K + 1,
-        max_kv_len=case.context,
-        **case.mass_tuning(),
-    )
-    return fn, case.batch * case.context * case.row_bytes
 
 
 def _mixed(case: Case, fused: bool) -> tuple[Callable[[], object], int]:
@@ -247,9 +229,9 @@ def sweep(case: Case, cases: list[str] | None = None) -> list[dict]:
 OUR_CASES: dict[str, Callable[[Case], tuple[Callable[[], object], int]]] = {
     "decode": lambda case: _ours(case, 1, per_head=False),
     "verify": lambda case: _ours(case, K + 1, per_head=False),
+    "verify_scored": lambda case: _ours(case, K + 1, per_head=False, scored=True),
     "draft": lambda case: _ours(case, 1, per_head=True),
     "draft_floor": _draft_floor,
-    "mass": _mass,
     "mixed_fused": lambda case: _mixed(case, fused=True),
     "mixed_two_launches": lambda case: _mixed(case, fused=False),
 }
@@ -295,7 +277,7 @@ def _record(case: Case, name: str, fn: Callable[[], object], nbytes: int) -> dic
 #: Record keys of a run under several values of one kernel setting: the split planner's per-program cost, a forced
 #: split count, and the fixed split target the planner replaced (kernels_h200_targets.jsonl).
 SETTINGS = ("split_overhead", "splits", "target_programs")
-COLUMNS = ["decode", "verify", "draft", "draft_floor", "mass", "mixed_fused", "mixed_two_launches"]
+COLUMNS = ["decode", "verify", "verify_scored", "draft", "draft_floor", "mixed_fused", "mixed_two_launches"]
 COLUMNS += ["flex_decode", "sdpa_decode"]
 
 

@@ -42,12 +42,12 @@ class SpecConfig:
             same budget (copy/induction attention moves forward with the query; 0 = the policy's own: none
             for ``pillar``, 4 for ``pillar_recent``).
         head_budgets: PillarAttn shares each layer's Top-K picks across its KV heads by one Top-K over all of
-            them (most attention mass kept) instead of the same number per head.
+            them (most verify mass kept; each head's mass is relative to its own sink) instead of the same number
+            per head.
         relearn_rounds: PillarAttn learns its pattern from the verify of one round in every ``relearn_rounds``
             (1: every round, the paper's). The rounds between draft from the last pattern learned plus every
-            position written since (its recent run), and their verifies skip the mass pass over every K and the
-            Top-K (on W1 ~4.7 ms of a ~31 ms full-batch round on the H200). Same tokens and distribution at any
-            value: only what the drafts attend to changes.
+            position written since (its recent run), and their verifies skip PillarAttn's Top-K. Same tokens and
+            distribution at any value: only what the drafts attend to changes.
         max_batch_size: most requests decoded together.
         kv_capacity_tokens: KV slots in the pool; ``None`` sizes the pool from free device memory.
         max_step_tokens: most query tokens in one forward step (bounds prefill chunks); ``None`` = 2048, or

@@ -100,7 +100,7 @@ class StepGraphs:
         ops: ModuleType,
         sparse_layers: dict[int, int],
         verify_tokens: int,
-        scores: bool,
+        scored_queries: int,
         max_batch_size: int,
         device: torch.device,
     ) -> None:
@@ -111,7 +111,7 @@ class StepGraphs:
         # Every draft-reading layer's view shares one indptr and length: the first one speaks for all.
         self.first_sparse = next(iter(sparse_layers), None)
         self.verify_tokens = verify_tokens  # query tokens a verify request may hold (k + 1; 1 without drafts)
-        self.scores = scores  # verify steps also return PillarAttn's attention mass
+        self.scored_queries = scored_queries  # a verify's queries PillarAttn learns the attention mass of (0: none)
         self.buckets = bucket_sizes(max_batch_size)
         self.device = device
         self.capture = device.type == "cuda"
@@ -207,7 +207,7 @@ class StepGraphs:
             }
         cu_seqlens_q = zeros(num_drafts + num_verifies + 1)
         cu_seqlens_q[: num_drafts + 1] = torch.arange(num_drafts + 1, device=self.device)  # drafts: one token each
-        scored = self.scores and num_verifies > 0
+        scored = self.scored_queries > 0 and num_verifies > 0
         mass, mass_layers = None, {}
         if scored:
             mass, mass_layers = self._mass_buffer(num_verifies, full_hint)
@@ -220,7 +220,7 @@ class StepGraphs:
             draft=draft,
             num_scored_queries=zeros(num_verifies) if scored else None,
             max_q_len=self.verify_tokens if num_verifies else 1,
-            max_scored_queries=self.verify_tokens if self.scores else 0,
+            max_scored_queries=self.scored_queries,
             mass=mass,
             mass_layers=mass_layers,
         )
@@ -280,7 +280,6 @@ class StepGraphs:
             step.draft_lists[..., : lists.kv_indices.shape[-1]] = metadata.draft_lists
         if step.num_verifies:
             _copy_padded(static.cu_seqlens_q[padded_drafts:], metadata.cu_seqlens_q[drafts:] + shift)
-            static.cu_seqlens_q_full.copy_(static.cu_seqlens_q[padded_drafts:] - padded_drafts)
             _copy_padded(static.full.kv_indptr, metadata.full.kv_indptr)
             static.full.kv_indices[: metadata.full.kv_indices.shape[-1]] = metadata.full.kv_indices
             if static.num_scored_queries is not None:

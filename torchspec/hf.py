@@ -44,7 +44,8 @@ class AttentionMetadata:
     read their sparse per-KV-head lists ``draft[layer]``, the other requests read ``full``. Sliding-window
     layers read ``windowed[window]`` for every request. When ``num_scored_queries`` is set, full-attention
     layers also record the attention mass of those requests' last queries in ``mass[mass_layers[layer]]``
-    (``[Hkv, verifies, width]``, a row per request that reads ``full``, as ``ops.attention_mass`` computes it).
+    (``[Hkv, verifies, width]``, a row per request that reads ``full``), in the attention's own pass (see
+    ``ops.paged_attention``).
     """
 
     slot_mapping: torch.Tensor  # [T]: where each new token's K/V goes
@@ -64,9 +65,6 @@ class AttentionMetadata:
     # one buffer for all layers, which the draft policy reads in place (no per-layer slices, no stacked copy).
     mass: torch.Tensor | None = None
     mass_layers: dict[int, int] = field(default_factory=dict)  # full-attention layer -> its index in ``mass``
-
-    def __post_init__(self) -> None:
-        self.cu_seqlens_q_full = self.cu_seqlens_q[self.num_drafts :] - self.num_drafts
 
 
 def verify_mass_shape(layer_heads: dict[int, int], verifies: int, width: int) -> tuple[int, int, int, int]:
@@ -168,7 +166,8 @@ class PagedForwardContext:
                 else meta.draft_select(layer, query[:drafts], k_cache, scaling)
             )
             first_lists = FirstLists(drafts, view.kv_indptr, view.kv_indices, max_q_len=1, max_kv_len=view.max_len)
-        out, lse = ops.paged_attention(
+        scored = meta.num_scored_queries is not None
+        return ops.paged_attention(
             query,
             k_cache,
             v_cache,
@@ -179,21 +178,10 @@ class PagedForwardContext:
             max_q_len=meta.max_q_len,
             max_kv_len=meta.full.max_len,
             first_lists=first_lists,
-        )
-        if meta.num_scored_queries is not None:
-            ops.attention_mass(
-                query[drafts:],
-                k_cache,
-                meta.cu_seqlens_q_full,
-                meta.full.kv_indptr,
-                meta.full.kv_indices,
-                lse[drafts:],
-                scaling,
-                meta.num_scored_queries,
-                max_scored=meta.max_scored_queries,
-                out=meta.mass[meta.mass_layers[layer], : k_cache.shape[1]],
-            )
-        return out
+            mass=meta.mass[meta.mass_layers[layer], : k_cache.shape[1]] if scored else None,
+            num_scored_queries=meta.num_scored_queries,
+            max_scored_queries=meta.max_scored_queries if scored else None,
+        )[0]
 
 
 _active_context: AttentionContext | None = None

@@ -15,6 +15,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from attention.reference import MAX_SCORED_ROWS
 from torchspec.chain_graphs import ChainGraphs, ChainInputs
 from torchspec.cuda_graphs import StepGraphs
 from torchspec.draft_probs import DraftProbsStore
@@ -61,16 +62,24 @@ class Runner:
         self.list_bound = 0  # the most tokens a request of the current generation may hold (graph list bounds)
         self.windows = sorted({layer.sliding_window for layer in layers if layer.sliding_window is not None})
         self.num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
+        # The attention scores a request's queries in one tile of (query, GQA head) rows.
+        largest_group = max(layer.num_heads // layer.num_kv_heads for layer in layers)
+        if policy is not None and policy.uses_verify_scores and largest_group > MAX_SCORED_ROWS:
+            raise ValueError(
+                f"draft={policy.name!r} learns from the verify's attention, which is scored for GQA groups of at most "
+                f"{MAX_SCORED_ROWS} query heads; this model has {largest_group}: use draft='streaming'"
+            )
+        self.max_scored_queries = max(1, MAX_SCORED_ROWS // largest_group)
         self.table = SlotTable(device)
         self.draft_probs = DraftProbsStore(self.num_draft_slots, device)
         self.graphs = None
         # Layers that draft sparsely (and whose verify mass the policy learns from) -> their KV heads.
         self.sparse_heads = {layer: self.num_kv_heads[layer] for layer in (policy.sparse_layers if policy else [])}
         if cuda_graphs:
-            scores = policy is not None and policy.uses_verify_scores
             verify_tokens = self.num_draft_slots + 1
+            scored = min(verify_tokens, self.max_scored_queries) if policy and policy.uses_verify_scores else 0
             self.graphs = StepGraphs(
-                self.forward, pool, ops, self.sparse_heads, verify_tokens, scores, max_batch_size, device
+                self.forward, pool, ops, self.sparse_heads, verify_tokens, scored, max_batch_size, device
             )
         # The later forwards of draft chains as graphs per bucket, one per forward: policies whose lists the runner
         # builds, models without sliding windows, and (when capturing) the default generator, which graphs replay.
@@ -180,8 +189,8 @@ class Runner:
         k + 1 of a final prefill chunk."""
         if self.policy is None or not self.policy.uses_verify_scores:
             return [0] * len(items)
-        k_plus_1 = self.policy.config.k + 1
-        return [min(item.num_query_tokens, k_plus_1) if item.samples and item.learns else 0 for item in items]
+        most = min(self.policy.config.k + 1, self.max_scored_queries)
+        return [min(item.num_query_tokens, most) if item.samples and item.learns else 0 for item in items]
 
     def _draft_views(
         self, items: Sequence[ScheduledRequest], shifts: torch.Tensor | None

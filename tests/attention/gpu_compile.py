@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from attention import layer_kernels, logits_kernels, paged, select_kernels
-from attention.reference import FirstLists
+from attention.reference import MASS_DTYPE, FirstLists
 
 H200 = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {
@@ -35,7 +35,6 @@ TRITON_TYPES = {
 KERNELS = (
     (paged, "_attention_kernel"),
     (paged, "_merge_splits_kernel"),
-    (paged, "_mass_kernel"),
     (layer_kernels, "_rms_norm_kernel"),
     (layer_kernels, "_silu_and_mul_kernel"),
     (layer_kernels, "_rotary_store_kernel"),
@@ -99,7 +98,7 @@ def _split_launch(num_heads: int, num_kv_heads: int, head_dim: int, q_len: int, 
 
 
 def _fused_launch_and_mass() -> None:
-    """Per-KV-head draft lists (with padding) and a verify in one launch, then the verify-score pass."""
+    """Per-KV-head draft lists (with padding) and a verify in one launch, the verify writing its mass."""
     num_heads, num_kv_heads, head_dim, drafts, context, budget = 9, 3, 64, 8, 2048, 128
     k = torch.randn(context, num_kv_heads, head_dim).to(torch.bfloat16)
     indptr, indices = torch.tensor([0, context]), torch.arange(context)
@@ -108,11 +107,9 @@ def _fused_launch_and_mass() -> None:
     query = torch.randn(drafts + 9, num_heads, head_dim).to(torch.bfloat16)
     cu = torch.cat([torch.arange(drafts + 1), torch.tensor([drafts + 9])])
     first = FirstLists(drafts, draft_indptr, draft_indices, 1, budget)
-    paged.paged_attention(query, k, k, cu, indptr, indices, 0.125, max_q_len=9, max_kv_len=context, first_lists=first)
-    lse = torch.zeros(9, num_heads)
-    verify_cu, scored = torch.tensor([0, 9]), torch.tensor([9])
-    paged.attention_mass(query[drafts:], k, verify_cu, indptr, indices, lse, 0.125, scored, max_scored=9,
-                         max_kv_len=context)  # fmt: skip
+    mass = torch.zeros(num_kv_heads, 1, context, dtype=MASS_DTYPE)
+    paged.paged_attention(query, k, k, cu, indptr, indices, 0.125, max_q_len=9, max_kv_len=context, first_lists=first,
+                          mass=mass, num_scored_queries=torch.tensor([9]), max_scored_queries=9)  # fmt: skip
 
 
 def _layer_ops() -> None:

@@ -46,15 +46,15 @@ def _on_kernel_device(function):
 
 
 IMPLEMENTATIONS = {
-    "reference": (reference.paged_attention, reference.attention_mass),
-    "triton": (_on_kernel_device(paged.paged_attention), _on_kernel_device(paged.attention_mass)),
+    "reference": reference.paged_attention,
+    "triton": _on_kernel_device(paged.paged_attention),
 }
 
 
 @pytest.fixture(params=list(IMPLEMENTATIONS))
 def impl(request):
     """``paged_attention`` of each implementation."""
-    return IMPLEMENTATIONS[request.param][0]
+    return IMPLEMENTATIONS[request.param]
 
 
 ATOL = 1e-5
@@ -350,7 +350,7 @@ def test_per_head_lists_empty_request(impl):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_output_dtype_follows_query(impl, dtype):
     """Half-precision queries/caches give an output in the query dtype and an fp32 lse close to the fp32 result."""
-    if impl is IMPLEMENTATIONS["triton"][0] and KERNEL_DEVICE == "cpu" and dtype == torch.bfloat16:
+    if impl is IMPLEMENTATIONS["triton"] and KERNEL_DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's CPU interpreter computes with numpy, which has no bfloat16 (fp16 is covered)")
     batch = _Batch(SCENARIOS["mixed"], 8, NUM_KV_HEADS, 64, seed=7)
     indptr, indices = batch.shared_lists()
@@ -383,7 +383,7 @@ def test_split_kv_matches_one_pass(num_splits, window):
     by their LSE give the unsplit result, for lists just above and below the split boundaries."""
     batch = _Batch([(1, 300), (1, 129), (1, 64), (1, 65), (5, 200), (1, 1)], 6, 2, 64, seed=num_splits)
     expected = batch.expected_shared(window)
-    _check(batch.run(IMPLEMENTATIONS["triton"][0], *batch.shared_lists(), window, num_splits=num_splits), expected)
+    _check(batch.run(IMPLEMENTATIONS["triton"], *batch.shared_lists(), window, num_splits=num_splits), expected)
 
 
 def test_a_forced_split_count_reaches_every_launch(monkeypatch):
@@ -393,7 +393,7 @@ def test_a_forced_split_count_reaches_every_launch(monkeypatch):
     merges = []
     merge = paged._merge_splits_kernel
     monkeypatch.setattr(paged, "_merge_splits_kernel", _Recording(merge, merges))
-    result = batch.run(IMPLEMENTATIONS["triton"][0], *batch.shared_lists(), None, num_splits=3)
+    result = batch.run(IMPLEMENTATIONS["triton"], *batch.shared_lists(), None, num_splits=3)
     _check(result, batch.expected_shared(None))
     values = dict(zip(merge.arg_names, merges[0], strict=False))
     assert (values["splits_first"], values["splits_second"]) == (3, 3)
@@ -405,7 +405,7 @@ def test_the_planner_reads_resident_programs_from_the_compiled_kernel():
     GPU holds at once: at least one per SM, at most the 32 per SM the hardware allows."""
     paged._RESIDENT.clear()
     batch = _Batch([(1, 3000), (1, 2000)], 6, 2, 64, seed=6)
-    _check(batch.run(IMPLEMENTATIONS["triton"][0], *batch.shared_lists(), None), batch.expected_shared(None))
+    _check(batch.run(IMPLEMENTATIONS["triton"], *batch.shared_lists(), None), batch.expected_shared(None))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert len(paged._RESIDENT) == 1 and sms <= next(iter(paged._RESIDENT.values())) <= 32 * sms
 
@@ -471,69 +471,87 @@ def test_fused_list_sets_split_on_their_own(num_splits):
     """Each list set of a fused launch has its own split count: a set that is not split writes the output
     directly and the merge combines only the other set's splits (some of them empty)."""
     batch, full_indptr, full_indices, first, expected_drafts, expected_full = _fused_batch()
-    kernel = IMPLEMENTATIONS["triton"][0]
+    kernel = IMPLEMENTATIONS["triton"]
     out, lse = batch.run(kernel, full_indptr, full_indices, first_lists=first, num_splits=num_splits)
     _check((out[:2], lse[:2]), expected_drafts)
     _check((out[2:], lse[2:]), expected_full)
 
 
-@pytest.mark.parametrize("gqa_ratio", [1, 3, 4, 8])
-def test_attention_mass_is_the_mean_softmax_of_the_scored_queries(gqa_ratio):
-    """Verify scores: per (KV head, request, list entry) the softmax probability averaged over the last
-    ``num_scored`` queries of the request and its group's query heads, from dense softmax, in the request's row
-    of a ``[Hkv, requests, width]`` tensor; unscored requests and entries past a list stay 0. The width is the
-    longest list, the ``max_kv_len`` given (a graph's fixed bound), or that of the ``out`` buffer given."""
-    lens = [(9, 70), (1, 20), (9, 9), (5, 130)]
-    scored = torch.tensor([9, 0, 4, 2])
-    batch = _Batch(lens, 2 * gqa_ratio, 2, 64, seed=gqa_ratio)
-    indptr, indices = batch.shared_lists()
-    _, lse = reference.paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, indptr, indices, batch.scale
-    )
-    expected = torch.zeros(2, len(lens), 160)
-    for b, (q_len, kv_len) in enumerate(lens):
-        count = int(scored[b])
+def _expected_mass(batch: _Batch, scored: list[int], width: int) -> torch.Tensor:
+    """Dense verify mass ``[Hkv, requests, width]``: per entry, ``exp(logit - the larger of the first and last
+    entries' logits)`` summed over each request's last ``scored`` queries and its group's heads (entries a query
+    cannot see weigh 0); zeros elsewhere."""
+    group = batch.num_heads // batch.num_kv_heads
+    expected = torch.zeros(batch.num_kv_heads, len(batch.lens), width)
+    for b, ((q_len, kv_len), count) in enumerate(zip(batch.lens, scored, strict=True)):
         if count == 0:
             continue
-        k = batch.keys[b].repeat_interleave(gqa_ratio, dim=1).transpose(0, 1)  # [H, L, D]
+        k = batch.keys[b].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
         logits = torch.einsum("qhd,hld->hql", batch.queries[b][q_len - count :], k) * batch.scale
-        mask = _position_mask(q_len, kv_len)[q_len - count :]
-        probs = logits.masked_fill(~mask, -math.inf).softmax(dim=-1)  # [H, count, L]
-        expected[:, b, :kv_len] = probs.reshape(2, gqa_ratio, count, kv_len).mean(dim=(1, 2))
-    inputs = (batch.query, batch.k_cache, batch.cu_seqlens_q, indptr, indices, lse, batch.scale, scored)
-    for name, (_, mass_fn) in IMPLEMENTATIONS.items():
-        for width in (None, 160):
-            mass = mass_fn(*inputs, max_kv_len=width)
-            assert mass.dtype == reference.MASS_DTYPE
-            torch.testing.assert_close(  # fp16: within half a unit in the last place (~5e-4 of the value)
-                mass.float(), expected[..., : width or 130], atol=1e-7, rtol=1e-3,
-                msg=lambda m, name=name: f"{name}: {m}",
-            )  # fmt: skip
-    # Written into a given buffer (one layer's slab of the engine's stacked mass), over what it held before.
-    for function, device in ((reference.attention_mass, "cpu"), (paged.attention_mass, KERNEL_DEVICE)):
-        stacked = torch.full((3, 2, len(lens), 160), 7.0, dtype=reference.MASS_DTYPE, device=device)
-        slab = stacked[1]
-        moved = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
-        assert function(*moved, out=slab) is slab
-        torch.testing.assert_close(slab.float().cpu(), expected, atol=1e-7, rtol=1e-3, msg=str(device))
-        assert (stacked[[0, 2]] == 7).all(), f"{function.__module__} wrote outside its slab"
+        base = torch.maximum(logits[..., :1], logits[..., -1:])  # the first and last entries' (all unmasked)
+        weights = (logits - base).exp().masked_fill(~_position_mask(q_len, kv_len)[q_len - count :], 0)
+        expected[:, b, :kv_len] = weights.reshape(batch.num_kv_heads, group, count, kv_len).sum(dim=(1, 2))
+    return expected
+
+
+@pytest.mark.parametrize("gqa_ratio", [1, 3, 4, 8])
+def test_verify_mass_weighs_entries_against_the_sink(gqa_ratio, impl):
+    """Verify scores, computed in the attention's own pass: per (KV head, request, list entry), the scored queries'
+    attention relative to the list's first or last entry (``exp(logit - max(logit_0, logit_last))``), summed
+    over a request's last ``num_scored`` queries and its group's heads, in its row of one layer's slab of the
+    engine's stacked buffer. Unscored requests, entries past a list and the other slabs keep what they held; the
+    attention itself is unchanged. A prefill-sized request (40 queries over several row tiles) scores its last
+    queries too."""
+    lens = [(9, 70), (1, 20), (9, 9), (5, 130), (40, 200)]
+    scored = [min(9, 64 // gqa_ratio), 0, 4, 2, 5]
+    batch = _Batch(lens, 2 * gqa_ratio, 2, 64, seed=gqa_ratio)
+    stacked = torch.full((3, 2, len(lens), 208), 7.0, dtype=reference.MASS_DTYPE)
+    out, lse = batch.run(
+        impl,
+        *batch.shared_lists(),
+        mass=stacked[1],
+        num_scored_queries=torch.tensor(scored),
+        max_scored_queries=max(scored),
+    )
+    _check((out, lse), batch.expected_shared())
+    mass = stacked[1].float()
+    expected = _expected_mass(batch, scored, 208)
+    written = torch.zeros_like(mass, dtype=torch.bool)
+    for b, ((_, kv_len), count) in enumerate(zip(lens, scored, strict=True)):
+        written[:, b, :kv_len] = count > 0
+    torch.testing.assert_close(  # bf16: within half a unit in the last place (~4e-3 of the value)
+        mass[written], expected[written], atol=1e-6, rtol=8e-3
+    )
+    assert (mass[~written] == 7).all() and (stacked[[0, 2]] == 7).all()
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
-def test_attention_mass_splits_cover_every_entry_once(num_splits):
-    """The score pass cuts long lists into splits of whole 64-entry blocks (some empty with 7 splits of the
-    short lists), each program looping over its blocks: every entry's mass is written once, as the reference's."""
-    lens = [(9, 700), (9, 129), (1, 64), (9, 300)]
-    scored = torch.tensor([9, 9, 0, 3])
-    batch = _Batch(lens, 6, 2, 64, seed=num_splits)
-    indptr, indices = batch.shared_lists()
-    _, lse = reference.paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, indptr, indices, batch.scale
-    )
-    inputs = (batch.query, batch.k_cache, batch.cu_seqlens_q, indptr, indices, lse, batch.scale, scored)
-    expected = reference.attention_mass(*inputs)
-    mass = IMPLEMENTATIONS["triton"][1](*inputs, num_splits=num_splits)
-    torch.testing.assert_close(mass.float(), expected.float(), atol=1e-7, rtol=1e-3)
+def test_verify_mass_splits_cover_every_entry_once(num_splits):
+    """Split lists (some splits empty with 7 of the short lists) write each entry's mass from the one program
+    that reads it, as the reference does; drafts in the same launch (first lists) score nothing."""
+    batch, full_indptr, full_indices, first, _, expected_full = _fused_batch()
+    scored = torch.tensor([9, 0])  # the verify, then the decode
+    masses = []
+    for function in (reference.paged_attention, IMPLEMENTATIONS["triton"]):
+        mass = torch.zeros(2, 2, 304, dtype=reference.MASS_DTYPE)
+        hints = {"num_splits": num_splits} if function is IMPLEMENTATIONS["triton"] else {}
+        out, lse = batch.run(
+            function, full_indptr, full_indices, first_lists=first, mass=mass, num_scored_queries=scored, **hints
+        )
+        _check((out[2:], lse[2:]), expected_full)
+        masses.append(mass.float())
+    torch.testing.assert_close(masses[1], masses[0], atol=1e-6, rtol=8e-3)
+    assert masses[0][:, 0, :300].min() > 0 and (masses[0][:, 1] == 0).all()
+
+
+def test_verify_mass_beyond_a_tile_is_refused():
+    """More scored (query, head) rows than one row tile holds: a clear error, not a silently partial score."""
+    batch = _Batch([(9, 20)], 16, 2, 64)
+    with pytest.raises(ValueError, match="score at most 8 queries"):
+        batch.run(
+            IMPLEMENTATIONS["triton"], *batch.shared_lists(), mass=torch.zeros(2, 1, 32, dtype=reference.MASS_DTYPE),
+            num_scored_queries=torch.tensor([9]), max_scored_queries=9,
+        )  # fmt: skip
 
 
 @pytest.mark.gpu

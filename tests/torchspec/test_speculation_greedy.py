@@ -704,7 +704,7 @@ class PillarVerify:
 @pytest.mark.parametrize("spec", [GQA, SLIDING_SPECS[0]], ids=_ids([GQA, SLIDING_SPECS[0]]))
 def test_pillar_pattern_is_top_k_of_the_verify_mass(spec, monkeypatch):
     """After each verify (and last prompt chunk) the pattern is, per full-attention layer and KV head, the K
-    older positions with the most exact attention mass, K = budget - (k + 1) for a verify of k drafts (all older
+    older positions with the most verify mass, K = budget - (k + 1) for a verify of k drafts (all older
     positions when the budget covers them), sorted; each draft step reads the pattern plus every position from
     that verify's first query to its own, at most budget + k positions."""
     k = 4
@@ -758,8 +758,8 @@ def test_pillar_pattern_is_top_k_of_the_verify_mass(spec, monkeypatch):
         assert len(mass) == len(full_layers)
         for layer_mass in mass:
             assert layer_mass.shape == (num_kv_heads, context)
-            # Each query's probabilities sum to 1, and so does their average (each kept to fp16's precision).
-            torch.testing.assert_close(layer_mass.float().sum(dim=-1), torch.ones(num_kv_heads), rtol=0, atol=2e-3)
+            # Weights relative to each scored row's sink or newest token (tested in the attention's own tests).
+            assert torch.isfinite(layer_mass.float()).all() and (layer_mass[:, 0] > 0).all()
         budget = policy.budget(context)
         size = min(first_query, max(0, budget - num_queries))
         if size == first_query:

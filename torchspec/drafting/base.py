@@ -107,7 +107,8 @@ class DraftPolicy:
         """Called after a step that ends with full attention over the request's newest tokens (a verify, or the
         last prefill chunk) and before its tokens are accepted. ``mass`` (only when ``uses_verify_scores``, and
         when some layer drafts sparsely) is ``[len(sparse_layers), num_kv_heads, context]`` on the model's
-        device: the exact attention mass per position, reduced on the device."""
+        device: the verify's attention mass per position (relative to the sink; see
+        ``attention.reference.paged_attention``), computed in the verify's attention."""
         request.round.recent_start = first_query_position
 
     def on_verifies(

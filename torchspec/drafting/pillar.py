@@ -17,9 +17,10 @@ MAX_SCORE_ELEMENTS = 1 << 26  # padded candidate scores of one batched Top-K (25
 
 
 class PillarPolicy(DraftPolicy):
-    """Top-K over the verify step's exact attention mass (averaged over its queries and each GQA group's query
-    heads), per (layer, KV head); the tokens written since that verify, and the ``recent_window`` tokens
-    before it, are always included on top."""
+    """Top-K over the verify step's attention mass (its queries' attention relative to the sink or the newest
+    token, summed over them and each GQA group's query heads; see ``attention.reference.paged_attention``), per
+    (layer, KV head); the tokens written since that verify, and the ``recent_window`` tokens before it, are always
+    included on top."""
 
     name = "pillar"
     uses_verify_scores = True
@@ -41,7 +42,7 @@ class PillarPolicy(DraftPolicy):
     def learns_from_plain_step(self, request: Request) -> bool:
         """Only once the pattern is missing or the recent run (every position from ``recent_start``, which
         every draft reads on top of the pattern) has grown to a whole budget: a Top-K over every older
-        position, and the mass pass before it, cost a full-batch plain step on W1 ~9 of its 21 ms, and a
+        position, and the mass pass it then took, cost a full-batch plain step on W1 ~9 of its 21 ms, and a
         pattern some tokens old drafts about as well. Draft lists stay within about twice the budget."""
         if request.round.pattern is None:
             return True

@@ -19,7 +19,7 @@ from torchspec.request import Request
 class PillarQuestPolicy(PillarPolicy):
     """Per sparse layer and KV head, a draft step attends to the ``num_sinks`` first tokens, the recent window
     (``recent_window``, default 64) and every token written since the last verify; of the rest of the budget,
-    half goes to the Top-K of the verify's exact attention mass (``on_verify``, as PillarAttn) and the other
+    half goes to the Top-K of the verify's attention mass (``on_verify``, as PillarAttn) and the other
     half to whole Quest pages, best page bound first, scored against the round's first draft query. The Quest
     pages are chosen once per round and layer, at its first draft step, and the round's later drafts reuse them
     (their own queries would pick fresher pages, but reading the page bounds at every draft costs a pass over

@@ -13,7 +13,7 @@ DEFAULT_SUCCESSORS = 4  # positions after each Top-K pick, taken with it
 
 
 class PillarRecentPolicy(PillarPolicy):
-    """PillarAttn's Top-K of the verify's exact attention mass, within the same budget, plus the two fixes its
+    """PillarAttn's Top-K of the verify's attention mass, within the same budget, plus the two fixes its
     staleness needs (docs/acceptance.md): a recent window (``recent_window``, default 64) that is always
     attended to, and successor expansion (``successors``, default 4): each Top-K pick also brings the positions
     after it, because copy/induction attention moves forward with the query between verifies.
