@@ -20,7 +20,7 @@ w3() {
 }
 case $part in
 tests)
-    python3 -m pytest -q tests/attention/test_select_kernels.py tests/attention/test_logits_kernels.py \
+    python3 -m pytest -q tests/attention/test_paged_attention.py tests/attention/test_select_kernels.py tests/attention/test_logits_kernels.py \
         tests/torchspec/test_sampling.py tests/torchspec/test_cuda_graphs.py tests/torchspec/test_bench_throughput.py \
         tests/torchspec/test_triton_backend.py tests/torchspec/test_offload.py \
         -k "cuda or gpu or sync or warped or target or kernel or reference or offload" 2>&1 | tail -15 | tee "$out/gpu_tests.txt"

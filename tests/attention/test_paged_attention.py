@@ -29,7 +29,7 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _on_kernel_device(function):
-    """``function`` run on the kernel device with CPU tensors in and out."""
+    """``function`` run on the kernel device with CPU tensors in and out (keyword tensors it writes included)."""
 
     def run(*args, **kwargs):
         def move(x):
@@ -38,8 +38,11 @@ def _on_kernel_device(function):
         def move_tuple(v: tuple) -> tuple:  # a NamedTuple such as FirstLists keeps its type
             return type(v)(*map(move, v)) if hasattr(v, "_fields") else tuple(map(move, v))
 
-        kwargs = {k: move_tuple(v) if isinstance(v, tuple) else move(v) for k, v in kwargs.items()}
-        result = function(*(move(a) for a in args), **kwargs)
+        moved = {k: move_tuple(v) if isinstance(v, tuple) else move(v) for k, v in kwargs.items()}
+        result = function(*(move(a) for a in args), **moved)
+        for name, value in kwargs.items():  # outputs written in place (the verify mass) come back to their tensor
+            if isinstance(value, torch.Tensor) and moved[name] is not value:
+                value.copy_(moved[name])
         return tuple(r.cpu() for r in result) if isinstance(result, tuple) else result.cpu()
 
     return run
