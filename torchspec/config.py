@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention import BACKENDS
+from torchspec.kv_cache import DEFAULT_DEVICE_MEMORY_FRACTION
 
 #: Draft policies (registered in ``torchspec.drafting``); ``None`` decodes without speculation.
 DRAFT_POLICIES: tuple[str, ...] = (
@@ -50,6 +51,9 @@ class SpecConfig:
             distribution at any value: only what the drafts attend to changes.
         max_batch_size: most requests decoded together.
         kv_capacity_tokens: KV slots in the pool; ``None`` sizes the pool from free device memory.
+        kv_memory_fraction: share of the device memory free after the weights and the step buffers that an
+            automatic pool (``kv_capacity_tokens=None``) takes on a GPU: lower it to leave room for a training step
+            in the same process (RL rollouts), e.g. 0.3. Memory is read when the model is wrapped.
         max_step_tokens: most query tokens in one forward step (bounds prefill chunks); ``None`` = 2048, or
             a whole batch of verifies (``max_batch_size * (k + 1)``) where that is more, so every request of a
             full batch can verify in the same step.
@@ -129,6 +133,7 @@ class SpecConfig:
     relearn_rounds: int = 1
     max_batch_size: int = 256
     kv_capacity_tokens: int | None = None
+    kv_memory_fraction: float = DEFAULT_DEVICE_MEMORY_FRACTION
     max_step_tokens: int | None = None
     offload: bool = False
     host_kv_capacity_tokens: int | None = None
@@ -168,6 +173,16 @@ class SpecConfig:
         _require(
             self.kv_capacity_tokens is None or (_is_int(self.kv_capacity_tokens) and self.kv_capacity_tokens >= 1),
             f"kv_capacity_tokens must be None or an integer >= 1, got {self.kv_capacity_tokens!r}",
+        )
+        _require(
+            isinstance(self.kv_memory_fraction, (int, float))
+            and not isinstance(self.kv_memory_fraction, bool)
+            and 0 < self.kv_memory_fraction <= 1,
+            f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}",
+        )
+        _require(
+            self.kv_capacity_tokens is None or self.kv_memory_fraction == DEFAULT_DEVICE_MEMORY_FRACTION,
+            "kv_memory_fraction sizes an automatic pool: pass kv_capacity_tokens or kv_memory_fraction, not both",
         )
         _require(
             self.max_step_tokens is None or (_is_int(self.max_step_tokens) and self.max_step_tokens >= 1),

@@ -14,7 +14,14 @@ from torchspec.config import SpecConfig
 from torchspec.drafting import DraftPolicy, make_policy
 from torchspec.fused_layers import FusedLayers
 from torchspec.hf import routed_attention
-from torchspec.kv_cache import KVPool, LayerSpec, auto_capacity_tokens, bytes_per_token, step_workspace_bytes
+from torchspec.kv_cache import (
+    KVPool,
+    LayerSpec,
+    auto_capacity_tokens,
+    bytes_per_token,
+    step_list_bytes,
+    step_workspace_bytes,
+)
 from torchspec.kv_offload import OffloadStats, auto_host_capacity_tokens
 from torchspec.parallel.group import TensorParallel
 from torchspec.request import FinishReason, Request, SamplingParams
@@ -116,13 +123,7 @@ class Engine:
         self.policy = make_policy(config, layers, ops)
         self.num_draft_slots = k = config.k if self.policy is not None else 0
         self.max_step_tokens = config.max_step_tokens or max(DEFAULT_STEP_TOKENS, config.max_batch_size * (k + 1))
-        capacity = config.kv_capacity_tokens or auto_capacity_tokens(
-            layers,
-            self.dtype,
-            self.device,
-            workspace_bytes=step_workspace_bytes(self.max_step_tokens, config.max_batch_size, k, self.vocab_size),
-            host_ceiling_tokens=config.max_batch_size * (self.context_length or 32768),
-        )
+        capacity = config.kv_capacity_tokens or self._auto_capacity(layers)
         if tensor_parallel is not None:  # every rank admits the same requests: the smallest pool serves all
             capacity = tensor_parallel.agree_min(capacity)
         self.pool = KVPool(layers, capacity, self.dtype, self.device)
@@ -160,6 +161,29 @@ class Engine:
         self._run_start = time.perf_counter()
         self._run_steps = 0
         self.host_ms = dict.fromkeys(HOST_PHASES, 0.0)
+
+    def _auto_capacity(self, layers: Sequence[LayerSpec]) -> int:
+        """The automatic pool: what free memory holds after the step workspace and the step buffers that grow with
+        the batch and its contexts (a draft chain's lists for its k - 1 later forwards, the verify mass)."""
+        config, k, policy = self.config, self.num_draft_slots, self.policy
+        heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
+        per_request, per_token = step_list_bytes(
+            sparse_kv_heads=sum(heads[layer] for layer in policy.sparse_layers) if policy is not None else 0,
+            chain_forwards=max(1, k - 1),
+            sparsity=config.sparsity,
+            min_entries=config.min_budget + k,
+            scored=policy is not None and policy.uses_verify_scores,
+        )
+        workspace = step_workspace_bytes(self.max_step_tokens, config.max_batch_size, k, self.vocab_size)
+        return auto_capacity_tokens(
+            layers,
+            self.dtype,
+            self.device,
+            workspace_bytes=workspace + config.max_batch_size * per_request,
+            host_ceiling_tokens=config.max_batch_size * (self.context_length or 32768),
+            step_bytes_per_token=per_token,
+            device_fraction=config.kv_memory_fraction,
+        )
 
     @property
     def kv_capacity_tokens(self) -> int:

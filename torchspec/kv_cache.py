@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Share of the device memory left after the weights and the step workspace that an automatic pool takes; the
-# rest absorbs what the estimate misses (allocator fragmentation, compiled kernels, CUDA graphs' own pools).
-_DEVICE_MEMORY_FRACTION = 0.9
+# Share of the device memory left after the weights and the step workspace that an automatic pool takes by default
+# (``kv_memory_fraction``); the rest absorbs what the estimate misses (allocator fragmentation, compiled kernels).
+DEFAULT_DEVICE_MEMORY_FRACTION = 0.9
+# Copies of a step's draft lists alive at once while they are built (positions, their slots, masked copies).
+_DRAFT_LIST_COPIES = 4
 # Share of the host's available memory a CPU pool may take when sized automatically.
 _HOST_MEMORY_FRACTION = 0.25
 
@@ -83,21 +85,25 @@ def auto_capacity_tokens(
     device: torch.device,
     workspace_bytes: int,
     host_ceiling_tokens: int,
+    step_bytes_per_token: float = 0.0,
+    device_fraction: float = DEFAULT_DEVICE_MEMORY_FRACTION,
 ) -> int:
     """Size the pool from free memory, after the weights (already loaded) and ``workspace_bytes`` (what steps
     allocate besides the pool: logits, sampling, graphs; see ``step_workspace_bytes``).
 
-    On a GPU the pool takes 90% of what is left (memory the allocator caches counts as free), with no cap from
-    the model's context length: requests longer than the batch's share of the pool only wait when memory itself
-    runs out. On a CPU it takes at most a quarter of the host's available RAM and no more than
-    ``host_ceiling_tokens`` (max batch x context), since the host's memory is everybody's.
+    On a GPU the pool takes ``device_fraction`` of what is left (memory the allocator caches counts as free), with
+    no cap from the model's context length: requests longer than the batch's share of the pool only wait when
+    memory itself runs out. Each token also costs ``step_bytes_per_token`` of step buffers that grow with the
+    context the batch holds (slot lists, verify mass; see ``step_list_bytes``). On a CPU it takes at most a
+    quarter of the host's available RAM and no more than ``host_ceiling_tokens`` (max batch x context), since the
+    host's memory is everybody's.
     """
     per_token = bytes_per_token(layers, dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         # Blocks PyTorch's allocator holds but no tensor uses (an earlier engine's pool) are free to reuse.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        tokens = int((free - workspace_bytes) * _DEVICE_MEMORY_FRACTION) // per_token
+        tokens = int((free - workspace_bytes) * device_fraction / (per_token + step_bytes_per_token))
     else:
         budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * _HOST_MEMORY_FRACTION)
         tokens = min(budget // per_token, host_ceiling_tokens)
@@ -107,6 +113,21 @@ def auto_capacity_tokens(
             "workspace); free memory, lower max_batch_size or pass kv_capacity_tokens explicitly"
         )
     return tokens
+
+
+def step_list_bytes(
+    sparse_kv_heads: int, chain_forwards: int, sparsity: float, min_entries: int, scored: bool
+) -> tuple[int, float]:
+    """Device memory of a step's slot lists and verify mass, which grow with the batch and its contexts, as
+    ``(bytes per request, bytes per token of context)``: each context token's slot in the full lists (int64, about
+    three copies as a step builds them), its share ``sparsity`` of the draft lists of ``chain_forwards`` forwards
+    over ``sparse_kv_heads`` (layer, KV head) pairs, each list at least ``min_entries`` long (``_DRAFT_LIST_COPIES``
+    copies while built), and its verify mass (bf16 per pair) when PillarAttn scores the verify. W3 ran out of
+    memory without them: 1,024 requests' chain lists took 1 GB per copy beside a pool sized from free memory."""
+    per_draft_entry = _DRAFT_LIST_COPIES * 8 * sparse_kv_heads * chain_forwards
+    per_request = per_draft_entry * min_entries
+    per_token = 3 * 8 + per_draft_entry * sparsity + (2 * sparse_kv_heads if scored else 0)
+    return per_request, per_token
 
 
 def step_workspace_bytes(max_step_tokens: int, max_batch_size: int, k: int, vocab_size: int) -> int:

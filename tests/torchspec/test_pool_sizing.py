@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchspec.kv_cache import LayerSpec, SlotAllocator, auto_capacity_tokens, bytes_per_token, step_workspace_bytes
+from torchspec.config import SpecConfig
+from torchspec.kv_cache import (
+    LayerSpec,
+    SlotAllocator,
+    auto_capacity_tokens,
+    bytes_per_token,
+    step_list_bytes,
+    step_workspace_bytes,
+)
 
 # SmolLM2-135M: 30 layers of 3 KV heads x 64 (23,040 bytes per token in bf16).
 SMOLLM2 = [LayerSpec(i, 9, 3, 64, 0.125, None) for i in range(30)]
@@ -54,3 +62,36 @@ def test_allocator_hands_out_lowest_slots_and_takes_them_back() -> None:
     assert sorted(allocator.free_slots().tolist()) == list(range(8))
     with pytest.raises(RuntimeError, match="9 slots requested, 8 free"):
         allocator.allocate(9)
+
+
+def test_step_lists_and_verify_mass_are_reserved_beside_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W3's shape (1,024 requests, PillarAttn with draft chains): the chains' lists (k - 1 forwards over 30 layers x
+    3 KV heads, built in several copies) and the verify mass grow with the batch and its contexts; the pool leaves
+    room for them, where a pool sized for the K/V alone ran out of memory on an H200 with every request admitted."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (130 * GIB, 141 * GIB))
+    per_request, per_token = step_list_bytes(
+        sparse_kv_heads=90, chain_forwards=7, sparsity=0.05, min_entries=136, scored=True
+    )
+    workspace = step_workspace_bytes(max_step_tokens=9216, max_batch_size=1024, k=8, vocab_size=49152)
+    plain = auto_capacity_tokens(SMOLLM2, torch.bfloat16, torch.device("cuda"), workspace, 1)
+    reserved = auto_capacity_tokens(
+        SMOLLM2, torch.bfloat16, torch.device("cuda"), workspace + 1024 * per_request, 1, per_token
+    )
+    lists_at_full_pool = reserved * (per_token - 2 * 90) + 1024 * per_request  # every pool token in some list
+    assert 1024 * per_request > 2 * GIB  # the minimum-length lists of 1,024 requests alone
+    assert (plain - reserved) * bytes_per_token(SMOLLM2, torch.bfloat16) >= 0.9 * lists_at_full_pool
+    assert reserved > 0.85 * plain  # a few percent of the pool, not a cap
+
+
+def test_kv_memory_fraction_leaves_the_rest_to_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A smaller fraction sizes a smaller pool (RL rollouts beside a training step); with an explicit pool size it
+    is refused, not ignored."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * GIB, 141 * GIB))
+    full = auto_capacity_tokens(SMOLLM2, torch.bfloat16, torch.device("cuda"), 0, 1)
+    third = auto_capacity_tokens(SMOLLM2, torch.bfloat16, torch.device("cuda"), 0, 1, device_fraction=0.3)
+    assert third == pytest.approx(full / 3, rel=1e-4)
+    with pytest.raises(ValueError, match="not both"):
+        SpecConfig(kv_capacity_tokens=1000, kv_memory_fraction=0.3)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="kv_memory_fraction"):
+            SpecConfig(kv_memory_fraction=bad)
