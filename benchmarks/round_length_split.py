@@ -38,7 +38,7 @@ def measure(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, m
     torch.manual_seed(0)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    outputs = wrapped.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling)
+    outputs = wrapped.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling).values()
     seconds = time.perf_counter() - start
     accepted, drafted, contexts = [], [], []
     for output in outputs:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
+from transformers.generation.continuous_batching import RequestStatus as TransformersRequestStatus
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from torchspec.config import SpecConfig
@@ -29,7 +30,12 @@ PROGRESS_SECONDS = 0.5  # how often the progress bar's token rate is refreshed
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """The result of one prompt of ``generate_batch``."""
+    """The result of one prompt of ``generate_batch``.
+
+    It also answers as transformers' continuous-batching ``GenerationOutput`` does (``request_id``,
+    ``prompt_ids``, ``generated_tokens``, ``error``, ``status``, ``timestamps``, ``is_finished()``), so code
+    written for ``transformers``' ``generate_batch`` (TRL's rollouts, for one) reads it unchanged.
+    """
 
     index: int  # position in the input list
     prompt_ids: list[int]
@@ -38,6 +44,35 @@ class RequestOutput:
     finish_reason: str  # "stop", "length" or "error"
     error: str | None
     stats: RequestStats
+
+    @property
+    def request_id(self) -> str:
+        """transformers' id for the ``index``-th prompt of a call (``"req_0"``, ``"req_1"``, ...)."""
+        return f"req_{self.index}"
+
+    @property
+    def generated_tokens(self) -> list[int]:
+        """``token_ids`` under transformers' name."""
+        return self.token_ids
+
+    @property
+    def status(self) -> TransformersRequestStatus:
+        """FAILED when the request reported an error, else FINISHED: every output is final."""
+        return TransformersRequestStatus.FAILED if self.error is not None else TransformersRequestStatus.FINISHED
+
+    @property
+    def timestamps(self) -> None:
+        """Per-token times are not recorded (transformers' value without ``record_timestamps``)."""
+        return None
+
+    def is_finished(self) -> bool:
+        """Always True, as for every output transformers' ``generate_batch`` returns."""
+        return True
+
+
+def by_request_id(outputs: Iterable[RequestOutput]) -> dict[str, RequestOutput]:
+    """``outputs`` keyed by their request ids, in their order: ``generate_batch``'s result."""
+    return {output.request_id: output for output in outputs}
 
 
 # nn.Module state that says what a module holds and how it is saved: the wrapper shares the model's.
@@ -263,13 +298,31 @@ class SparseSpecForCausalLM(torch.nn.Module):
         inputs: Sequence[str | Sequence[int]],
         generation_config: GenerationConfig | None = None,
         progress_bar: bool = True,
+        *,
+        continuous_batching_config: Any = None,
+        record_timestamps: bool = False,
+        persistent_manager: bool = False,
+        warmup: bool = True,
         **kwargs: Any,
-    ) -> list[RequestOutput]:
+    ) -> dict[str, RequestOutput]:
         """Generate for a list of prompts of any lengths (token id lists, or strings with a tokenizer) with
-        continuous batching. Returns one :class:`RequestOutput` per input, in input order; a bad prompt is
-        reported in its output (``finish_reason="error"``) and the others complete."""
+        continuous batching. Returns what transformers' ``generate_batch`` returns, so its callers run
+        unchanged: one output per input keyed by its request id (``"req_0"``, ``"req_1"``, ...), in input
+        order, each with ``generated_tokens``; ``list(result.values())`` is the list of :class:`RequestOutput`.
+        A bad prompt is reported in its output (``finish_reason="error"``) and the others complete.
+
+        transformers' own arguments are accepted: ``continuous_batching_config`` sizes and schedules
+        transformers' manager, which torchspec's engine does from ``wrap()``'s options instead (its
+        ``return_logprobs`` and ``seed``, which would change the outputs, are refused); ``persistent_manager``
+        and ``warmup`` ask for nothing here (the engine persists and captures graphs as it goes);
+        ``record_timestamps=True`` is refused (the engine does not time each token)."""
         if isinstance(inputs, (str, torch.Tensor)) or not isinstance(inputs, Sequence):
             raise TypeError("generate_batch takes a list of prompts (strings or token id lists)")
+        if record_timestamps:
+            raise ValueError("generate_batch option `record_timestamps` is not supported by torchspec")
+        for name, off in (("return_logprobs", False), ("seed", None)):
+            if getattr(continuous_batching_config, name, off) != off:
+                raise ValueError(f"continuous_batching_config.{name} is not supported by torchspec")
         requests = self._requests_for(inputs, generation_config, dict(kwargs))
         with tqdm(total=len(requests), unit="req", disable=not progress_bar, desc="generate") as bar:
             bar.update(sum(r.is_finished for r in requests))
@@ -287,7 +340,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
                 bar.update(len(finished))
 
             self.last_stats = self.engine.run(requests, on_step=on_step)
-        return [self._output(r) for r in requests]
+        return by_request_id(self._output(r) for r in requests)
 
     @torch.inference_mode()
     def stream(

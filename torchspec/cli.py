@@ -93,7 +93,7 @@ def _generate(args: argparse.Namespace) -> int:
             _stream(model, tokenizer, prompts[0], sampling)
         else:
             outputs = generate_replicated(model, prompts, progress_bar=report, **sampling)
-            for text, output in zip(texts, outputs, strict=True):
+            for text, output in zip(texts, outputs.values(), strict=True):
                 if sink is not None:
                     sink.write(json.dumps(_record(text, output)) + "\n")
                 elif not report:

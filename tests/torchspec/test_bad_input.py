@@ -22,6 +22,7 @@ from transformers import (
     BartConfig,
     BartForConditionalGeneration,
     BloomConfig,
+    ContinuousBatchingConfig,
     Gemma2Config,
     LlamaConfig,
     PreTrainedTokenizerFast,
@@ -66,7 +67,7 @@ def _batch_error(wrapped: Any, prompts: list, **kwargs: Any) -> str:
     """The message a call-wide bad option gets from generate_batch: raised as ValueError, or reported on every
     output (both are clear; which one is the library's choice)."""
     try:
-        outputs = wrapped.generate_batch(prompts, progress_bar=False, **kwargs)
+        outputs = list(wrapped.generate_batch(prompts, progress_bar=False, **kwargs).values())
     except ValueError as error:
         return str(error)
     assert all(o.finish_reason == "error" and o.error for o in outputs), [(o.finish_reason, o.error) for o in outputs]
@@ -125,7 +126,7 @@ def test_generate_rejects_bad_row(model: Any, bad: list[int], message: str) -> N
 @pytest.mark.parametrize(("bad", "message"), BAD_PROMPTS)
 def test_generate_batch_reports_bad_prompt(model: Any, bad: list[int], message: str) -> None:
     """generate_batch reports a bad prompt in its own output and still answers the good one."""
-    good, failed = model.generate_batch([_prompt(5), bad], max_new_tokens=MAX_NEW_TOKENS, progress_bar=False)
+    good, failed = model.generate_batch([_prompt(5), bad], max_new_tokens=MAX_NEW_TOKENS, progress_bar=False).values()
     assert failed.finish_reason == "error" and failed.token_ids == [] and failed.text is None
     assert re.search(message, failed.error), failed.error
     assert good.finish_reason in ("stop", "length") and good.error is None and good.token_ids
@@ -133,7 +134,7 @@ def test_generate_batch_reports_bad_prompt(model: Any, bad: list[int], message: 
 
 def test_prompt_filling_the_context_is_accepted(model: Any) -> None:
     """The context check is not off by one: a prompt of exactly max_position_embeddings tokens runs."""
-    (output,) = model.generate_batch([_prompt(CONTEXT)], max_new_tokens=1, progress_bar=False)
+    (output,) = model.generate_batch([_prompt(CONTEXT)], max_new_tokens=1, progress_bar=False).values()
     assert output.finish_reason in ("stop", "length") and len(output.token_ids) == 1
 
 
@@ -145,7 +146,7 @@ def test_request_larger_than_kv_pool(hf_model: torch.nn.Module) -> None:
     message += "kv_capacity_tokens"
     with pytest.raises(ValueError, match="batch row 0: the request " + message):
         model.generate(**_left_padded([_prompt(10)]), max_new_tokens=7)
-    (output,) = model.generate_batch([_prompt(10)], max_new_tokens=7, progress_bar=False)
+    (output,) = model.generate_batch([_prompt(10)], max_new_tokens=7, progress_bar=False).values()
     assert output.finish_reason == "error" and re.search(message, output.error), output.error
     sequences = model.generate(**_left_padded([_prompt(10)]), max_new_tokens=6, eos_token_id=None)
     assert sequences.shape == (1, 16)
@@ -198,6 +199,32 @@ def test_unsupported_generate_option_is_refused(model: Any, options: dict, name:
         next(model.stream(_prompt(5), max_new_tokens=MAX_NEW_TOKENS, **dict(options)))
 
 
+GENERATE_BATCH_REFUSED = [
+    pytest.param({"record_timestamps": True}, "record_timestamps", id="record_timestamps"),
+    pytest.param(
+        {"continuous_batching_config": ContinuousBatchingConfig(return_logprobs=True)}, "return_logprobs", id="logprobs"
+    ),
+    pytest.param({"continuous_batching_config": ContinuousBatchingConfig(seed=3)}, "seed", id="seed"),
+]
+
+
+@pytest.mark.parametrize(("options", "name"), GENERATE_BATCH_REFUSED)
+def test_generate_batch_refuses_transformers_options_that_change_outputs(model: Any, options: dict, name: str) -> None:
+    """transformers' generate_batch arguments that would change what comes back are refused by name; those
+    that only size or schedule transformers' own manager are accepted."""
+    with pytest.raises(ValueError, match=re.escape(name)):
+        model.generate_batch([_prompt(5)], max_new_tokens=MAX_NEW_TOKENS, progress_bar=False, **options)
+    (output,) = model.generate_batch(
+        [_prompt(5)],
+        max_new_tokens=MAX_NEW_TOKENS,
+        progress_bar=False,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=4, max_memory_percent=0.5),
+        persistent_manager=True,
+        warmup=False,
+    ).values()
+    assert output.error is None and output.finish_reason in ("stop", "length") and output.generated_tokens
+
+
 # -- malformed calls -----------------------------------------------------------------------------------------------
 
 
@@ -218,7 +245,7 @@ def test_text_prompt_without_tokenizer(model: Any, tmp_path: Path, monkeypatch: 
     """A text prompt on a wrapper built without a tokenizer (and none stored with the model) says how to fix it:
     pass tokenizer= to wrap, or give token ids."""
     monkeypatch.chdir(tmp_path)  # an empty working directory: nothing to pick up by accident
-    (output,) = model.generate_batch(["What is 2+2?"], max_new_tokens=2, progress_bar=False)
+    (output,) = model.generate_batch(["What is 2+2?"], max_new_tokens=2, progress_bar=False).values()
     assert output.finish_reason == "error" and output.token_ids == []
     assert "needs a tokenizer" in output.error and "tokenizer=" in output.error, output.error
     with pytest.raises(ValueError, match="needs a tokenizer"):
@@ -235,7 +262,7 @@ def test_text_prompt_does_not_pick_up_a_tokenizer_from_the_working_directory(
     backend.pre_tokenizer = Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp_path)
     monkeypatch.chdir(tmp_path)
-    (output,) = model.generate_batch(["hello world"], max_new_tokens=2, progress_bar=False)
+    (output,) = model.generate_batch(["hello world"], max_new_tokens=2, progress_bar=False).values()
     assert model.tokenizer is None
     assert output.finish_reason == "error" and "needs a tokenizer" in (output.error or ""), output
 
@@ -261,7 +288,7 @@ def test_generate_batch_isolates_bad_prompts(hf_model: torch.nn.Module) -> None:
     }
     inputs = [good[i] if i in good else bad[i][0] for i in range(len(good) + len(bad))]
 
-    outputs = model.generate_batch(inputs, max_new_tokens=max_new_tokens, progress_bar=False)
+    outputs = list(model.generate_batch(inputs, max_new_tokens=max_new_tokens, progress_bar=False).values())
     stats = model.last_stats
     _assert_no_slot_leak(model)
 
@@ -272,7 +299,7 @@ def test_generate_batch_isolates_bad_prompts(hf_model: torch.nn.Module) -> None:
         assert output.finish_reason == "error" and output.token_ids == [], (index, output)
         assert output.error and re.search(message, output.error), (index, output.error)
     for index, prompt in good.items():
-        (alone,) = model.generate_batch([prompt], max_new_tokens=max_new_tokens, progress_bar=False)
+        (alone,) = model.generate_batch([prompt], max_new_tokens=max_new_tokens, progress_bar=False).values()
         output = outputs[index]
         assert output.error is None and output.finish_reason == alone.finish_reason != "error", (index, output)
         assert output.token_ids == alone.token_ids, index

@@ -128,9 +128,9 @@ def test_host_tier_too_small_ends_the_newest_request_with_its_name():
     host_kv_capacity_tokens, keeping the tokens it made (the unconstrained run's), and the others complete."""
     prompts = BATCH.prompts
     params = {"max_new_tokens": MAX_NEW_TOKENS, "min_new_tokens": MAX_NEW_TOKENS, "do_sample": False}
-    reference = sparsespec.wrap(SPEC.build(), draft=None, **UNCONSTRAINED).generate_batch(prompts, **params)
+    reference = sparsespec.wrap(SPEC.build(), draft=None, **UNCONSTRAINED).generate_batch(prompts, **params).values()
     wrapped = sparsespec.wrap(SPEC.build(), draft=None, host_kv_capacity_tokens=1, **TIGHT)
-    outputs = wrapped.generate_batch(prompts, **params)
+    outputs = wrapped.generate_batch(prompts, **params).values()
     failed = [o for o in outputs if o.finish_reason == "error"]
     assert failed, "the host tier of one token made room for every request"
     assert all("host_kv_capacity_tokens=1" in o.error for o in failed), failed[0].error

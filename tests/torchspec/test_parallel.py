@@ -78,7 +78,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         torch.manual_seed(rank)  # ranks start from different random states; the engine gives them rank 0's
         model = sparsespec.wrap(tiny_spec("qwen3").build(), tensor_parallel_size=WORLD, **OPTIONS)
         sampled = model.generate_batch(DP_PROMPTS[:3], max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0)
-        results["sampled"] = [output.token_ids for output in sampled]
+        results["sampled"] = [output.token_ids for output in sampled.values()]
 
         results["error/diverged"] = _error(lambda: model.tensor_parallel.check_same(rank, "the rank"))
 
@@ -142,14 +142,16 @@ def test_replicas_return_every_output_in_input_order(ranks) -> None:
         DP_PROMPTS, max_new_tokens=NEW_TOKENS, progress_bar=False
     )
     for result in ranks:
-        assert [o.index for o in result["dp"]] == list(range(len(DP_PROMPTS)))
-        assert [o.prompt_ids for o in result["dp"]] == DP_PROMPTS
-        assert [o.token_ids for o in result["dp"]] == [o.token_ids for o in single]
+        assert list(result["dp"]) == list(single)  # generate_batch's request ids, in input order
+        outputs = list(result["dp"].values())
+        assert [o.index for o in outputs] == list(range(len(DP_PROMPTS)))
+        assert [o.prompt_ids for o in outputs] == DP_PROMPTS
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in single.values()]
 
 
 def test_a_failed_replica_reports_its_requests_and_the_others_complete(ranks) -> None:
     shares = balanced_split([len(p) + NEW_TOKENS for p in DP_PROMPTS], WORLD)
-    outputs = ranks[0]["dp_failed"]
+    outputs = list(ranks[0]["dp_failed"].values())
     assert [o.index for o in outputs] == list(range(len(DP_PROMPTS)))
     for index in shares[0]:
         assert outputs[index].finish_reason == "length"

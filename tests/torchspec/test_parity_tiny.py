@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching import RequestStatus
 
 from tests.torchspec.conftest import (
     PAD_TOKEN_ID,
@@ -285,7 +287,9 @@ def test_generate_batch_matches_padded_generate(spec, options, hf_reference, eos
     eos = dict(spec.overrides)["eos_token_id"]
     expected_rows = generated_rows(hf_reference(spec, batch, max_new_tokens=MAX_NEW_TOKENS), batch, [eos])
     wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=KV_CAPACITY, **({"draft": None} | options))
-    outputs = wrapped.generate_batch(batch.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    outputs = wrapped.generate_batch(
+        batch.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False
+    ).values()
     assert [o.index for o in outputs] == list(range(len(batch.lengths)))
     assert [o.prompt_ids for o in outputs] == batch.prompts
     assert [o.token_ids for o in outputs] == expected_rows
@@ -301,4 +305,59 @@ def test_generate_batch_matches_padded_generate(spec, options, hf_reference, eos
     assert stats.prompt_tokens == sum(batch.lengths)
     assert stats.generated_tokens == sum(map(len, expected_rows))
     assert stats.steps > 0
+    assert_no_slot_leak(wrapped)
+
+
+# transformers' continuous batching run small on the CPU: a cache sized from free memory takes ~30 s to set up.
+SMALL_CB = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64)
+CB_BATCH = Batch((5, 11, 19), seed=2)
+
+
+def _client(model: Any, prompts: list[list[int]]) -> tuple[list[str], list[list[int]]]:
+    """A client written for transformers' ``generate_batch``, as TRL's rollouts call and read it."""
+    outputs = model.generate_batch(
+        prompts,
+        generation_config=GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
+        continuous_batching_config=SMALL_CB,
+        progress_bar=False,
+    )
+    return list(outputs), [output.generated_tokens for output in outputs.values()]
+
+
+@pytest.fixture(scope="module")
+def transformers_cb() -> tuple[list[str], list[list[int]]]:
+    """transformers' own ``generate_batch`` on the tiny Llama: request ids and generated tokens."""
+    with torch.inference_mode():
+        return _client(tiny_spec("llama").build(), CB_BATCH.prompts)
+
+
+def test_generate_batch_runs_transformers_clients_unchanged(transformers_cb):
+    """Code written for transformers' ``generate_batch`` runs on the wrapper (speculation on) and reads the
+    same request ids, in input order, and the same greedy tokens; each output keeps torchspec's fields."""
+    wrapped = sparsespec.wrap(tiny_spec("llama").build(), kv_capacity_tokens=KV_CAPACITY)
+    assert _client(wrapped, CB_BATCH.prompts) == transformers_cb
+    assert transformers_cb[0] == ["req_0", "req_1", "req_2"]
+    outputs = wrapped.generate_batch(CB_BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, progress_bar=False)
+    for position, (request_id, output) in enumerate(outputs.items()):
+        assert output.request_id == request_id and output.index == position
+        assert output.generated_tokens == output.token_ids == transformers_cb[1][position]
+        assert output.prompt_ids == CB_BATCH.prompts[position]
+        assert output.error is None and output.status == RequestStatus.FINISHED and output.is_finished()
+        assert output.finish_reason == "length" and output.timestamps is None
+    assert_no_slot_leak(wrapped)
+
+
+def test_generate_batch_reports_a_bad_prompt_under_its_request_id(transformers_cb):
+    """A bad prompt among good ones fails alone, under its own request id (transformers' FAILED status and
+    error), and the others complete with transformers' tokens."""
+    wrapped = sparsespec.wrap(tiny_spec("llama").build(), draft=None, kv_capacity_tokens=KV_CAPACITY)
+    first, second, third = CB_BATCH.prompts
+    outputs = wrapped.generate_batch([first, [], second, third], max_new_tokens=MAX_NEW_TOKENS, progress_bar=False)
+    assert list(outputs) == ["req_0", "req_1", "req_2", "req_3"]
+    failed = outputs["req_1"]
+    assert failed.status == RequestStatus.FAILED and failed.is_finished() and "empty prompt" in failed.error
+    assert failed.generated_tokens == [] and failed.finish_reason == "error"
+    good = [outputs[request_id] for request_id in ("req_0", "req_2", "req_3")]
+    assert [o.generated_tokens for o in good] == transformers_cb[1]
+    assert all(o.error is None and o.status == RequestStatus.FINISHED for o in good)
     assert_no_slot_leak(wrapped)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import unittest.mock
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,7 +292,7 @@ def check_bookkeeping(wrapped: Any, recorder: Recorder, stopped: bool = False) -
             assert request.num_output_tokens == emitted
 
 
-def check_outputs(wrapped: Any, outputs: Sequence[Any], recorder: Recorder) -> None:
+def check_outputs(wrapped: Any, outputs: Collection[Any], recorder: Recorder) -> None:
     """generate_batch's per-request stats are the engine's per-request counters, and add up to the call's."""
     stats = wrapped.last_stats
     by_id = {r.request_id: r for r in recorder.requests()}
@@ -428,7 +428,9 @@ def test_draft_chain_runs_whole_rounds_so_requests_never_wait(baseline, monkeypa
     every request still running: none sits a step out to get back in phase. Tokens stay draft=None's."""
     expected = generated_rows(baseline(GQA, BATCH), BATCH)
     wrapped, recorder = _wrap(GQA, monkeypatch, draft="pillar_recent", k=4, max_step_tokens=64, **MEDIUM)
-    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    outputs = wrapped.generate_batch(
+        BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False
+    ).values()
     assert [o.token_ids for o in outputs] == expected
     check_bookkeeping(wrapped, recorder)
     last_prefill = max(i for i, phases in enumerate(recorder.step_phases) if Phase.PREFILL in phases)
@@ -453,7 +455,9 @@ def test_adaptive_rounds_mix_plain_steps_and_rounds_and_keep_the_tokens(baseline
         on_verifies(requests, *args)
 
     monkeypatch.setattr(policy, "on_verifies", spy_verifies)
-    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    outputs = wrapped.generate_batch(
+        BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False
+    ).values()
     assert [o.token_ids for o in outputs] == expected
     check_bookkeeping(wrapped, recorder)
     assert any(v.drafts for v in recorder.verifies), "no round ran"
@@ -477,7 +481,9 @@ def test_relearn_rounds_learn_from_every_other_round(baseline, monkeypatch):
         on_verifies(requests, *args)
 
     monkeypatch.setattr(policy, "on_verifies", spy_verifies)
-    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    outputs = wrapped.generate_batch(
+        BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False
+    ).values()
     assert [o.token_ids for o in outputs] == expected
     check_bookkeeping(wrapped, recorder)
     rounds = sum(1 for v in recorder.verifies if v.drafts)
@@ -492,7 +498,9 @@ def test_adaptive_rounds_wait_for_the_batch_to_fill(baseline, monkeypatch):
     wrapped, recorder = _wrap(
         GQA, monkeypatch, draft="pillar_recent", k=4, adaptive_rounds=True, max_step_tokens=16, **MEDIUM
     )
-    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    outputs = wrapped.generate_batch(
+        BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False
+    ).values()
     assert [o.token_ids for o in outputs] == expected
     check_bookkeeping(wrapped, recorder)
     pending, first_round = sum(BATCH.lengths), None
@@ -526,7 +534,9 @@ def test_whole_rounds_keep_every_forward_within_the_step_token_budget(baseline, 
         return forward(plan, input_ids, *args)
 
     monkeypatch.setattr(runner, "_forward", spy_forward)
-    outputs = wrapped.generate_batch(batch.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False)
+    outputs = wrapped.generate_batch(
+        batch.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False
+    ).values()
     assert [o.token_ids for o in outputs] == expected
     check_bookkeeping(wrapped, recorder)
     assert any(size > 5 for size in sizes), "no verify forward held two rounds"
@@ -566,7 +576,7 @@ def test_generate_batch_schedules_are_lossless(policy, options, baseline, monkey
         recorder.reset()
         outputs = wrapped.generate_batch(
             BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, progress_bar=False
-        )
+        ).values()
         assert [o.token_ids for o in outputs] == expected, f"call {call}"
         assert [o.finish_reason for o in outputs] == ["length"] * len(expected)
         check_bookkeeping(wrapped, recorder)
@@ -678,7 +688,7 @@ def test_min_new_tokens_holds_back_eos_in_drafts_and_verifies(policy, baseline, 
 def test_no_draft_has_zero_speculation_counters(monkeypatch):
     """Without a draft policy nothing is drafted: every counter, call-wide and per request, is zero."""
     wrapped, recorder = _wrap(GQA, monkeypatch, draft=None)
-    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, progress_bar=False)
+    outputs = wrapped.generate_batch(BATCH.prompts, max_new_tokens=MAX_NEW_TOKENS, progress_bar=False).values()
     stats = wrapped.last_stats
     assert (stats.num_rounds, stats.num_draft_tokens, stats.num_accepted_tokens, stats.mean_accepted) == (0, 0, 0, 0)
     assert sum(stats.accepted_histogram) == 0
@@ -1081,7 +1091,7 @@ def smollm2_reasoning(smollm2) -> tuple[list[list[int]], list[list[int]]]:
     try:
         outputs = wrapped.generate_batch(
             prompts, max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, progress_bar=False
-        )
+        ).values()
     finally:
         torch.set_num_threads(threads)
     assert wrapped.last_stats.num_rounds == 0
@@ -1097,7 +1107,9 @@ def test_smollm2_reasoning_is_lossless(smollm2, smollm2_reasoning, policy, monke
     prompts, expected = smollm2_reasoning
     wrapped = sparsespec.wrap(model, draft=policy, **SMOLLM2_OPTIONS)
     recorder = Recorder.attach(wrapped, monkeypatch)
-    outputs = wrapped.generate_batch(prompts, max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, progress_bar=False)
+    outputs = wrapped.generate_batch(
+        prompts, max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, progress_bar=False
+    ).values()
     for output, tokens in zip(outputs, expected, strict=True):
         first = next((i for i, (a, b) in enumerate(zip(output.token_ids, tokens, strict=False)) if a != b), None)
         assert output.token_ids == tokens, f"{policy}, prompt {output.index}: first difference at new token {first}"

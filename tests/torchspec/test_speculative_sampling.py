@@ -401,8 +401,14 @@ def generate(wrapped: Any, seed: int, prompt: Sequence[int], num_samples: int, m
     """``generate_batch([prompt] * num_samples)`` with sampling, under ``torch.manual_seed(seed)``."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return wrapped.generate_batch(
-            [list(prompt)] * num_samples, max_new_tokens=max_new_tokens, do_sample=True, progress_bar=False, **kwargs
+        return list(
+            wrapped.generate_batch(
+                [list(prompt)] * num_samples,
+                max_new_tokens=max_new_tokens,
+                do_sample=True,
+                progress_bar=False,
+                **kwargs,
+            ).values()
         )
 
 

@@ -53,7 +53,9 @@ def measure(model, prompts: list[list[int]], max_new_tokens: int, baseline: list
     """Generate with one variant; return its per-round (context, accepted) pairs and a lossless check."""
     wrapped = sparsespec.wrap(model, **spec, **variant.options)
     start = time.perf_counter()
-    outputs = wrapped.generate_batch(prompts, max_new_tokens=max_new_tokens, do_sample=False, progress_bar=True)
+    outputs = wrapped.generate_batch(
+        prompts, max_new_tokens=max_new_tokens, do_sample=False, progress_bar=True
+    ).values()
     elapsed = time.perf_counter() - start
     rounds = [
         (context, accepted)
@@ -136,8 +138,10 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = reasoning_prompt_ids(tokenizer, args.prompts)
     spec = {"k": args.k, "sparsity": args.sparsity, "min_budget": args.min_budget, "max_batch_size": len(prompts)}
-    baseline = sparsespec.wrap(model, draft=None, max_batch_size=len(prompts)).generate_batch(
-        prompts, max_new_tokens=args.max_new_tokens, do_sample=False
+    baseline = list(
+        sparsespec.wrap(model, draft=None, max_batch_size=len(prompts))
+        .generate_batch(prompts, max_new_tokens=args.max_new_tokens, do_sample=False)
+        .values()
     )
     variants = [v for v in default_variants() if not args.policies or v.label in args.policies]
     results = []

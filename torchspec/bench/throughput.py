@@ -145,12 +145,14 @@ def measure(
     wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=max_batch_size or len(prompts), **options)
 
     def generate(new_tokens: int) -> list[RequestOutput]:
-        return wrapped.generate_batch(
-            [list(p) for p in prompts],
-            max_new_tokens=new_tokens,
-            min_new_tokens=0 if natural_lengths else new_tokens,
-            do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else 1.0,
+        return list(
+            wrapped.generate_batch(
+                [list(p) for p in prompts],
+                max_new_tokens=new_tokens,
+                min_new_tokens=0 if natural_lengths else new_tokens,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else 1.0,
+            ).values()
         )
 
     warmup_s = 0.0

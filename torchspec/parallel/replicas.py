@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchspec.causal_lm import RequestOutput, SparseSpecForCausalLM
+from torchspec.causal_lm import RequestOutput, SparseSpecForCausalLM, by_request_id
 from torchspec.stats import RequestStats
 
 Prompt = str | Sequence[int]
@@ -33,11 +33,14 @@ def balanced_split(costs: Sequence[int], replicas: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
-def generate_replicated(model: SparseSpecForCausalLM, inputs: Sequence[Prompt], **kwargs: Any) -> list[RequestOutput]:
+def generate_replicated(
+    model: SparseSpecForCausalLM, inputs: Sequence[Prompt], **kwargs: Any
+) -> dict[str, RequestOutput]:
     """``model.generate_batch(inputs, **kwargs)`` with the prompts split over the world's replicas (balanced by
     prompt length plus ``max_new_tokens``: characters stand in for tokens in text prompts). Every rank calls it
-    with the same inputs and gets every output, in input order. A replica whose run raises reports its prompts
-    as errors (``finish_reason="error"``) and the others complete."""
+    with the same inputs and gets every output, keyed by request id in input order, as ``generate_batch``
+    returns them. A replica whose run raises reports its prompts as errors (``finish_reason="error"``) and the
+    others complete."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model.generate_batch(inputs, **kwargs)
     size = model.spec_config.tensor_parallel_size
@@ -47,13 +50,15 @@ def generate_replicated(model: SparseSpecForCausalLM, inputs: Sequence[Prompt], 
     share = balanced_split([len(prompt) + decode for prompt in inputs], replicas)[replica]
     try:
         outputs = model.generate_batch([inputs[i] for i in share], **kwargs)
-        outputs = [dataclasses.replace(output, index=share[output.index]) for output in outputs]
+        outputs = [dataclasses.replace(output, index=share[output.index]) for output in outputs.values()]
     except Exception as error:  # the replica's failure is its requests' errors; the others go on
         message = f"replica {replica} (rank {rank}) failed: {type(error).__name__}: {error}"
         outputs = [_failed(i, inputs[i], message) for i in share]
     gathered: list[list[RequestOutput] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, outputs if rank % size == 0 else None)
-    return sorted((output for part in gathered if part is not None for output in part), key=lambda o: o.index)
+    return by_request_id(
+        sorted((output for part in gathered if part is not None for output in part), key=lambda o: o.index)
+    )
 
 
 def _failed(index: int, prompt: Prompt, message: str) -> RequestOutput:
