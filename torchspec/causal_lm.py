@@ -234,13 +234,18 @@ class SparseSpecForCausalLM(torch.nn.Module):
 
         Returns ``[B, S + n]`` token ids (finished rows padded with ``pad_token_id``; ``n`` is the longest
         generation), or a ``GenerateDecoderOnlyOutput`` when ``return_dict_in_generate=True``.
+
+        ``stopping_criteria`` and ``stop_strings`` (with ``tokenizer=``, or the one given to ``wrap``) stop each
+        row as transformers does, token for token: the criteria are checked on the host as a row's tokens are
+        committed, on a batch of one row, the row's input (its padding included) and the tokens generated so
+        far, with ``scores=None``. A criterion that keeps state per batch row sees every row as row 0.
         """
         input_ids = kwargs.pop("inputs", input_ids)
         if input_ids is None:
             raise ValueError("generate needs `input_ids` ([batch, seq] token ids)")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError("`input_ids` must be a 2-D tensor [batch, seq]; tokenize with return_tensors='pt'")
-        resolved = resolve_generation_config(self.hf_model, generation_config, kwargs)
+        resolved = resolve_generation_config(self.hf_model, generation_config, kwargs, self.tokenizer)
         if attention_mask is None:
             attention_mask = infer_attention_mask(input_ids, resolved)
         if attention_mask.shape != input_ids.shape:
@@ -257,7 +262,9 @@ class SparseSpecForCausalLM(torch.nn.Module):
                 engine.check_request(prompt, params)
             except ValueError as error:
                 raise ValueError(f"batch row {row}: {error}") from None
-            requests.append(Request(request_id=row, prompt_ids=prompt, params=params))
+            # The criteria see the row as transformers does: the input row (with its padding), then the new tokens.
+            input_row = None if params.stopping_criteria is None else ids.tolist()
+            requests.append(Request(request_id=row, prompt_ids=prompt, params=params, input_row=input_row))
         self.last_stats = engine.run(requests)
         failed = [r for r in requests if r.finish_reason is FinishReason.ERROR]
         if failed:
@@ -276,7 +283,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
     def _requests_for(
         self, inputs: Sequence[str | Sequence[int]], generation_config: GenerationConfig | None, kwargs: dict
     ) -> list[Request]:
-        resolved = resolve_generation_config(self.hf_model, generation_config, kwargs)
+        resolved = resolve_generation_config(self.hf_model, generation_config, kwargs, self.tokenizer)
         resolved.sampling_params(0, 0).validate()  # call-wide values (temperature, top-p...) fail the call
         engine = self.engine
         requests = []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from torchspec.request import SamplingParams
 
@@ -44,7 +44,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "exponential_decay_length_penalty": (None,),
     "renormalize_logits": (None, False),
     "remove_invalid_values": (None, False),
-    "stop_strings": (None,),
     "max_time": (None,),
     "watermarking_config": (None,),
     "prompt_lookup_num_tokens": (None,),
@@ -60,10 +59,9 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
 
 # generate() arguments outside GenerationConfig that torchspec does not implement. Clients pass some of them
 # with values that ask for nothing (a pipeline's `streamer=None`, a trainer's `synced_gpus=False`, an empty
-# `StoppingCriteriaList`): those are accepted.
+# `LogitsProcessorList`): those are accepted.
 UNSUPPORTED_GENERATE_ARGS = (
     "logits_processor",
-    "stopping_criteria",
     "prefix_allowed_tokens_fn",
     "assistant_model",
     "streamer",
@@ -73,9 +71,9 @@ UNSUPPORTED_GENERATE_ARGS = (
     "synced_gpus",
     "inputs_embeds",
 )
-# generate() arguments that serve only options refused on their own (the tokenizer that decodes stop
-# strings, the assistant model's tokenizer, remote code for custom_generate): ignored.
-_HELPER_GENERATE_ARGS = ("tokenizer", "assistant_tokenizer", "trust_remote_code")
+# generate() arguments that serve only options refused on their own (the assistant model's tokenizer, remote
+# code for custom_generate): ignored.
+_HELPER_GENERATE_ARGS = ("assistant_tokenizer", "trust_remote_code")
 
 
 def _asks_for_nothing(value: Any) -> bool:
@@ -92,6 +90,8 @@ class ResolvedGeneration:
     pad_token_id: int | None
     has_default_max_length: bool
     has_default_min_length: bool
+    # transformers' criteria for the call (``stopping_criteria`` and those ``stop_strings`` make), None when none.
+    stopping_criteria: StoppingCriteriaList | None = None
 
     def sampling_params(self, max_new_tokens: int, min_new_tokens: int) -> SamplingParams:
         config = self.config
@@ -103,6 +103,7 @@ class ResolvedGeneration:
             top_k=config.top_k or 0,
             top_p=1.0 if config.top_p is None else float(config.top_p),
             stop_token_ids=self.eos_token_ids,
+            stopping_criteria=self.stopping_criteria,
         )
 
     def lengths_for(self, model: Any, input_length: int) -> tuple[int, int]:
@@ -117,14 +118,18 @@ class ResolvedGeneration:
 
 
 def resolve_generation_config(
-    model: Any, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+    model: Any, generation_config: GenerationConfig | None, kwargs: dict[str, Any], tokenizer: Any = None
 ) -> ResolvedGeneration:
-    """Merge like transformers' ``generate`` and refuse, by name, every option torchspec cannot honour."""
+    """Merge like transformers' ``generate`` and refuse, by name, every option torchspec cannot honour.
+    ``tokenizer`` (the wrapper's) makes the criteria of ``stop_strings`` when the call passes none."""
     for name in UNSUPPORTED_GENERATE_ARGS:
         if not _asks_for_nothing(kwargs.pop(name, None)):
             raise ValueError(f"generate option `{name}` is not supported by torchspec")
     for name in _HELPER_GENERATE_ARGS:
         kwargs.pop(name, None)
+    custom_criteria = kwargs.pop("stopping_criteria", None)
+    passed_tokenizer = kwargs.pop("tokenizer", None)
+    tokenizer = tokenizer if passed_tokenizer is None else passed_tokenizer
     has_default_max_length = (
         kwargs.get("max_length") is None
         and (generation_config is None or generation_config.max_length is None)
@@ -144,7 +149,7 @@ def resolve_generation_config(
         raise ValueError(
             f"generation option(s) {enabled} are not supported by torchspec; unset them "
             "(supported: max_new_tokens, max_length, min_new_tokens, min_length, do_sample, temperature, "
-            "top_k, top_p, eos_token_id, pad_token_id, return_dict_in_generate)"
+            "top_k, top_p, eos_token_id, pad_token_id, stop_strings, stopping_criteria, return_dict_in_generate)"
         )
     eos = config.eos_token_id
     eos_token_ids = () if eos is None else tuple(int(t) for t in ([eos] if isinstance(eos, int) else eos))
@@ -154,7 +159,30 @@ def resolve_generation_config(
             f"Setting `pad_token_id` to `eos_token_id`:{eos_token_ids[0]} for open-end generation.", stacklevel=3
         )
         pad_token_id = eos_token_ids[0]
-    return ResolvedGeneration(config, eos_token_ids, pad_token_id, has_default_max_length, has_default_min_length)
+    criteria = _stopping_criteria(model, config, custom_criteria, tokenizer)
+    return ResolvedGeneration(
+        config, eos_token_ids, pad_token_id, has_default_max_length, has_default_min_length, criteria
+    )
+
+
+def _stopping_criteria(
+    model: Any, config: GenerationConfig, custom: StoppingCriteriaList | StoppingCriteria | None, tokenizer: Any
+) -> StoppingCriteriaList | None:
+    """The criteria transformers' ``generate`` would check, less those the engine enforces itself (max length,
+    EOS): a ``StopStringCriteria`` for ``stop_strings``, built as transformers builds it, merged with the
+    caller's ``stopping_criteria`` by transformers' own rule (a caller's criterion of the same type wins)."""
+    made = StoppingCriteriaList()
+    if config.stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError(
+                "`stop_strings` need the model's tokenizer to find them in the generated tokens: pass "
+                "`tokenizer=` to generate (as transformers asks) or to sparsespec.wrap()"
+            )
+        made.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
+    if callable(custom) and not isinstance(custom, list):  # one criterion, not in a list
+        custom = [custom]
+    criteria = model._merge_criteria_processor_list(made, StoppingCriteriaList(custom or ()))
+    return criteria or None
 
 
 def infer_attention_mask(input_ids: torch.Tensor, resolved: ResolvedGeneration) -> torch.Tensor:

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # holds no KV slots: not started yet, or its K/V moved to the host tier (offload)
@@ -31,6 +33,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    # transformers stopping criteria (a ``StoppingCriteriaList``: a callable of ``(input_ids, scores)`` that returns
+    # a bool or a ``[1]`` bool tensor), checked on the host as tokens are committed, on a batch of one row: the
+    # request's (see ``Request.input_row``), with ``scores=None``. None: none (the commit loop pays nothing).
+    stopping_criteria: Any = field(default=None, compare=False)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad value and its valid range."""
@@ -103,6 +109,11 @@ class Request:
     # Read per request many times per step (a property's call, at batch 256, is host time a step pays): kept.
     num_prompt_tokens: int = field(init=False)
     table_row: int | None = field(default=None, init=False)  # its row of the runner's slot table, while it holds one
+    # Its row as the caller's batch held it before generation (``generate``'s left-padded input row), which the
+    # stopping criteria see ahead of the generated tokens, as in transformers; None: the prompt.
+    input_row: list[int] | None = None
+    # The row the stopping criteria read: ``input_row`` then room for ``max_new_tokens`` (made at the first commit).
+    criteria_row: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

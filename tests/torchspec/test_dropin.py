@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, StoppingCriteriaList, pipeline
+from transformers import AutoModelForCausalLM, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList, pipeline
 from transformers.utils import logging as hf_logging
 
 from tests.torchspec.conftest import Batch, tiny_spec
@@ -69,9 +69,9 @@ def test_generate_accepts_options_that_ask_for_nothing(
     smollm2: tuple[Any, Any], wrapped: SparseSpecForCausalLM
 ) -> None:
     """Clients pass unsupported options with values that ask for nothing (a pipeline's ``streamer=None``, a
-    trainer's ``synced_gpus=False``, lm-eval's ``use_cache``, an empty criteria list, the tokenizer that would
-    decode stop strings): the answer is the one without them. The same options asking for something are refused
-    by name."""
+    trainer's ``synced_gpus=False``, lm-eval's ``use_cache``, an empty criteria list, no stop strings and the
+    tokenizer that would decode them): the answer is the one without them. The same options asking for something
+    are refused by name."""
     _, tokenizer = smollm2
     batch = tokenizer(["The capital of France is"], return_tensors="pt")
     expected = wrapped.generate(**batch, max_new_tokens=4, do_sample=False)
@@ -80,13 +80,15 @@ def test_generate_accepts_options_that_ask_for_nothing(
         "synced_gpus": False,
         "use_cache": True,
         "stopping_criteria": StoppingCriteriaList(),
+        "logits_processor": LogitsProcessorList(),
+        "stop_strings": None,
         "tokenizer": tokenizer,
         "num_return_sequences": 1,
         "generation_config": copy.deepcopy(wrapped.generation_config),
     }
     assert torch.equal(wrapped.generate(**batch, max_new_tokens=4, do_sample=False, **neutral), expected)
-    with pytest.raises(ValueError, match="`stopping_criteria` is not supported"):
-        wrapped.generate(**batch, max_new_tokens=4, stopping_criteria=StoppingCriteriaList([lambda *a, **k: True]))
+    with pytest.raises(ValueError, match="`logits_processor` is not supported"):
+        wrapped.generate(**batch, max_new_tokens=4, logits_processor=LogitsProcessorList([lambda ids, scores: scores]))
     with pytest.raises(ValueError, match="`synced_gpus` is not supported"):
         wrapped.generate(**batch, max_new_tokens=4, synced_gpus=True)
 
