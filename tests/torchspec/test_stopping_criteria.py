@@ -125,8 +125,10 @@ def test_generate_batch_stops_inside_a_round(plain: torch.Tensor, options: dict[
     assert not any(generated[i : i + 2] == tail for i in range(10)), "the tail should first appear there"
     criteria = StoppingCriteriaList([EndsWith(tail)])
     wrapped = sparsespec.wrap(SPEC.build(), max_batch_size=2, **options)
-    outputs = wrapped.generate_batch(
-        prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, stopping_criteria=criteria, progress_bar=False
+    outputs = list(
+        wrapped.generate_batch(
+            prompts, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, stopping_criteria=criteria, progress_bar=False
+        ).values()
     )
     assert outputs[0].token_ids == generated[:12] and outputs[0].finish_reason == "stop"
     second = plain[1, BATCH.width :].tolist()
@@ -200,8 +202,10 @@ def test_stop_strings_in_generate_batch(smollm2: tuple[Any, Any]) -> None:
     """generate_batch with the tokenizer given to wrap: "stop" at the string, mid-round, the text ends with it."""
     model, tokenizer = smollm2
     wrapped = sparsespec.wrap(model, tokenizer=tokenizer, max_batch_size=len(PROMPTS))
-    outputs = wrapped.generate_batch(
-        PROMPTS, max_new_tokens=40, do_sample=False, stop_strings=[" 9,"], progress_bar=False
+    outputs = list(
+        wrapped.generate_batch(
+            PROMPTS, max_new_tokens=40, do_sample=False, stop_strings=[" 9,"], progress_bar=False
+        ).values()
     )
     assert outputs[1].text == " 4, 5, 6, 7, 8, 9," and outputs[1].finish_reason == "stop"
     assert _committed_past(outputs[1]) > 0, "the stop should land inside a round"
