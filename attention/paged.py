@@ -23,7 +23,7 @@ import triton.language as tl
 from attention import reference
 from attention.reference import FirstLists
 
-LOG2E = 1.4426950408889634
+LOG2E = reference.LOG2E
 MASS_MAX_LOG2: tl.constexpr = tl.constexpr(reference.MASS_MAX_LOG2)
 MIN_SPLIT_ENTRIES = 256  # a KV split never holds fewer list entries than this
 MAX_SPLITS = 64

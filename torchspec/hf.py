@@ -180,7 +180,7 @@ class PagedForwardContext:
             first_lists=first_lists,
             mass=meta.mass[meta.mass_layers[layer], : k_cache.shape[1]] if scored else None,
             num_scored_queries=meta.num_scored_queries,
-            max_scored_queries=meta.max_scored_queries if scored else None,
+            max_scored_queries=meta.max_scored_queries,
         )[0]
 
 
