@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention import reference
+
 # Row entries per iteration of a row's loops, and the widest row searched in registers alone. On the H200, 1,024
 # with 4 warps took W1's verify cut-off from 0.57 ms (4,096 with 8 warps) to 0.46, and PillarAttn's picks at 4.2K
 # context from 3.3 ms (8,192-wide rows in registers) to 0.8: many small programs hide the serial reductions of a
@@ -158,8 +160,12 @@ def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.
     out = torch.empty(*lead, max_k, dtype=torch.int32, device=values.device)
     if rows == 0 or max_k == 0:
         return out
-    # One block size for every width and k below BLOCK / 2 (each other size compiles a variant, ~1 s mid-run).
-    block = max(BLOCK, 2 * triton.next_power_of_2(max_k))  # lanes: twice the picks, a tight bound from their maxima
+    if 2 * max_k > BLOCK:
+        # Thousands of picks a row (a drained batch's drafts read most of their contexts): few rows, which the
+        # reference's handful of ops serve, where a block for twice the picks compiled a kernel variant per power
+        # of two (4-7 s each, mid-run on W1).
+        return reference.top_k_positions(values, k, max_k)
+    block = BLOCK  # lanes: at least twice the picks, a tight bound from their maxima
     fits = width <= block
     cap = block // 4 if CANDIDATES * max_k <= block // 4 else block  # room for the candidates, in two sizes
     gathered = torch.empty(0 if fits else rows * cap, dtype=torch.int32, device=values.device)

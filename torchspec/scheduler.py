@@ -193,8 +193,10 @@ class Scheduler:
         rounds_ahead: bool = False,
         offload: OffloadStats | None = None,
         host_capacity_tokens: int = 0,
+        draft_step_budget: int = 0,
     ) -> None:
         self.allocator = allocator
+        self.draft_step_budget = draft_step_budget  # KV tokens a step's drafts read together, shared out
         # Admission by use, with the host tier (None: worst-case reservations), and the counters it keeps.
         self.offload = offload
         self.host_capacity_tokens = host_capacity_tokens
@@ -241,6 +243,8 @@ class Scheduler:
             in_flight_ids = {id(item.request) for item in in_flight.scheduled} if in_flight is not None else set()
             blocked = self._make_room(in_flight_ids)
         self._admit()
+        if self.policy is not None:
+            self.policy.step_share = self.draft_step_budget // max(1, len(self.running))
         if self.round_length.adaptive:
             starting = [r.spec_stats for r in self.running if r.decoding and r.round.length is None]
             self._length = 0 if self._filling() else self.round_length.choose(starting)

@@ -147,9 +147,9 @@ def test_a_run_names_its_draft_and_switches_so_one_command_runs_an_ablation(caps
         {"compile": True, "adaptive_rounds": False},
     )
     assert parse_setting("none") == (None, {})
-    assert parse_setting("pillar_recent+relearn_rounds=2+compile") == (
+    assert parse_setting("pillar_recent+relearn_rounds=2+compile+draft_step_budget=0") == (
         "pillar_recent",
-        {"relearn_rounds": 2, "compile": True},
+        {"relearn_rounds": 2, "compile": True, "draft_step_budget": 0},
     )
     for bad, named in (
         ("pilar", "unknown draft 'pilar'"),

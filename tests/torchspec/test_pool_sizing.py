@@ -69,16 +69,16 @@ def test_step_lists_and_verify_mass_are_reserved_beside_the_pool(monkeypatch: py
     3 KV heads, built in several copies) and the verify mass grow with the batch and its contexts; the pool leaves
     room for them, where a pool sized for the K/V alone ran out of memory on an H200 with every request admitted."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (130 * GIB, 141 * GIB))
-    per_request, per_token = step_list_bytes(
-        sparse_kv_heads=90, chain_forwards=7, sparsity=0.05, min_entries=136, scored=True
+    per_step, per_request, per_token = step_list_bytes(
+        sparse_kv_heads=90, chain_forwards=7, sparsity=0.05, min_entries=136, step_entries=1 << 16, scored=True
     )
     workspace = step_workspace_bytes(max_step_tokens=9216, max_batch_size=1024, k=8, vocab_size=49152)
     plain = auto_capacity_tokens(SMOLLM2, torch.bfloat16, torch.device("cuda"), workspace, 1)
-    reserved = auto_capacity_tokens(
-        SMOLLM2, torch.bfloat16, torch.device("cuda"), workspace + 1024 * per_request, 1, per_token
-    )
-    lists_at_full_pool = reserved * (per_token - 2 * 90) + 1024 * per_request  # every pool token in some list
+    step_lists = per_step + 1024 * per_request
+    reserved = auto_capacity_tokens(SMOLLM2, torch.bfloat16, torch.device("cuda"), workspace + step_lists, 1, per_token)
+    lists_at_full_pool = reserved * (per_token - 2 * 90) + step_lists  # every pool token in some list
     assert 1024 * per_request > 2 * GIB  # the minimum-length lists of 1,024 requests alone
+    assert per_step > GIB  # a drained batch's share of the step's draft budget (65,536 entries per forward)
     assert (plain - reserved) * bytes_per_token(SMOLLM2, torch.bfloat16) >= 0.9 * lists_at_full_pool
     assert reserved > 0.85 * plain  # a few percent of the pool, not a cap
 

@@ -363,13 +363,18 @@ def test_greedy_generate_is_lossless(spec, policy, k, budget, baseline, monkeypa
         assert sum(histogram[1:]) > 0, f"no draft was ever accepted: {histogram}"
 
 
+# The step's draft budget shared by the batch's 4 requests covers every context as a per-request budget would.
+STEP_SHARE = SPARSE | {"draft_step_budget": 4 * DENSE["min_budget"]}
+
+
+@pytest.mark.parametrize("budget", [DENSE, STEP_SHARE], ids=["min_budget", "step_share"])
 @pytest.mark.parametrize("policy", [p for p in POLICY_NAMES if _self_drafting(p)])
-def test_budget_covering_the_context_accepts_every_draft(policy, baseline, monkeypatch):
+def test_budget_covering_the_context_accepts_every_draft(policy, budget, baseline, monkeypatch):
     """With a budget larger than every context a self-draft attends to everything, so it is the target's own
     greedy token and every draft is accepted: any slip in the drafts' KV, positions or round bookkeeping
-    would show as a rejection."""
+    would show as a rejection. The budget is each request's own, or its share of the step's draft budget."""
     expected = baseline(GQA, BATCH)
-    wrapped, recorder = _wrap(GQA, monkeypatch, draft=policy, k=4, **DENSE)
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft=policy, k=4, **budget)
     actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     _rows_equal(expected, actual, policy)
     check_bookkeeping(wrapped, recorder)
@@ -377,6 +382,35 @@ def test_budget_covering_the_context_accepts_every_draft(policy, baseline, monke
     assert stats.num_rounds > 0
     assert stats.num_accepted_tokens == stats.num_draft_tokens, stats.accepted_histogram
     assert stats.accepted_histogram[0] == 0
+
+
+def test_the_step_draft_budget_is_shared_by_the_running_requests(monkeypatch):
+    """Each step the scheduler gives every draft the running requests' share of ``draft_step_budget``: as the
+    batch drains (requests of 4 to 24 new tokens) each remaining request drafts from more of its context. On a
+    CPU the default is no step budget (attention there costs what it reads, at any batch size)."""
+    from torchspec.scheduler import Scheduler
+
+    seen: list[tuple[int, int]] = []  # (running requests, share) after each schedule
+    schedule = Scheduler.schedule
+
+    def spy(self: Scheduler, *args: Any, **kwargs: Any) -> Any:
+        plan = schedule(self, *args, **kwargs)
+        seen.append((len(self.running), self.policy.step_share))
+        return plan
+
+    monkeypatch.setattr(Scheduler, "schedule", spy)
+    for step_budget in (None, 1000):
+        seen.clear()
+        options = SPARSE | ({} if step_budget is None else {"draft_step_budget": step_budget})
+        engine = sparsespec.wrap(GQA.build(), draft="pillar", k=4, kv_capacity_tokens=KV_CAPACITY, **options).engine
+        requests = [
+            engine.new_request(i, prompt, SamplingParams(max_new_tokens=n))
+            for i, (prompt, n) in enumerate(zip(BATCH.prompts, (4, 8, 16, 24), strict=True))
+        ]
+        engine.run(requests)
+        assert all(r.is_finished for r in requests)
+        shares = {4: 0, 3: 0, 2: 0, 1: 0} if step_budget is None else {4: 250, 3: 333, 2: 500, 1: 1000}
+        assert set(seen) == set(shares.items())
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 6, 7])
@@ -1038,6 +1072,12 @@ BAD_OPTIONS = [
     pytest.param({"draft": 1}, r"unknown draft policy 1", id="draft=1"),
     pytest.param({"draft_chain": "yes"}, r"draft_chain must be None, True or False", id="draft_chain=str"),
     pytest.param({"relearn_rounds": 0}, r"relearn_rounds must be an integer >= 1, got 0", id="relearn_rounds=0"),
+    pytest.param(
+        {"draft_step_budget": -1}, r"draft_step_budget must be None or an integer >= 0, got -1", id="step_budget<0"
+    ),
+    pytest.param(
+        {"draft_step_budget": 2.0}, r"draft_step_budget must be None or an integer >= 0, got 2\.0", id="step_budget=2.0"
+    ),
 ]
 
 

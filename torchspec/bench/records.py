@@ -42,7 +42,7 @@ ENGINE_SWITCHES = {
 
 
 #: Integer wrap() options a ``--drafts`` setting may give (``+NAME=N``).
-ENGINE_VALUES = ("k", "relearn_rounds")
+ENGINE_VALUES = ("k", "relearn_rounds", "draft_step_budget")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

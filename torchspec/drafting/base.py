@@ -44,10 +44,13 @@ class DraftPolicy:
         #: Layers whose draft steps attend sparsely: the full-attention ones (sliding windows stay as they are).
         self.sparse_layers = [layer.layer_idx for layer in layers if layer.sliding_window is None]
         self.num_kv_heads = max((layer.num_kv_heads for layer in layers), default=1)
+        #: KV tokens every draft may attend to whatever its sparsity: the scheduler sets it each step to the
+        #: running requests' share of the step's draft budget (``SpecConfig.draft_step_budget``).
+        self.step_share = 0
 
     def budget(self, context_length: int) -> int:
-        """KV tokens a draft step may attend to: ``max(min_budget, ceil(sparsity * context))``."""
-        return max(self.config.min_budget, math.ceil(self.config.sparsity * context_length))
+        """KV tokens a draft step may attend to: ``max(min_budget, ceil(sparsity * context), step_share)``."""
+        return max(self.config.min_budget, math.ceil(self.config.sparsity * context_length), self.step_share)
 
     def ready(self, request: Request) -> bool:
         """Whether the request can start a round with drafts (e.g. PillarAttn needs one verify's scores)."""
