@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchspec.cuda_graphs import SharedStorage, StepGraphs, list_hint
+from torchspec.cuda_graphs import SharedStorage, StepGraphs
 from torchspec.draft_sampling import DraftSampling
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 
@@ -114,16 +114,13 @@ class ChainGraphs:
             reason = "new bucket"
         elif entries > step.lists.shape[-1]:
             reason = "draft lists outgrew its buffer"
-        elif inputs.max_list_len > step.list_hint:
-            reason = "draft lists outgrew their launch hint"
         elif step.store is not store:
             reason = "new draft-probs store"
         else:
             reason = None
         if reason is not None:
             capacity = max(2 * entries, 2 * step.lists.shape[-1] if step else 0)
-            hint = list_hint(inputs.max_list_len)
-            step = self._steps[size] = self._chain_step(size, capacity, hint, store)
+            step = self._steps[size] = self._chain_step(size, capacity, inputs.max_list_len, store)
         layout = inputs.sampling.layout()
         sampler = step.samplers.get(layout)
         if sampler is None:

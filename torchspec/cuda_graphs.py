@@ -48,15 +48,6 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return [*small, *range(64, max_batch_size, 32), max_batch_size]
 
 
-def list_hint(longest: int) -> int:
-    """The longest draft list a graph plans its attention's KV splits for: twice the longest it is made with. Lists
-    grow as a batch drains (each request's share of ``draft_step_budget``) and with their contexts; a graph whose
-    lists outgrow it is captured again, since lists longer than planned run on too few programs (W1's last 8
-    requests, reading ~8K entries a head on splits planned for a few hundred: rounds of 20-23 ms where one
-    request's took 12)."""
-    return 2 * longest
-
-
 class SharedStorage:
     """One flat storage that the buffers of graphs never running at the same time take views of: each is filled
     before its graph replays, or written by its graph and read before the next forward runs (one stream). A
@@ -163,14 +154,12 @@ class StepGraphs:
             reason = "new bucket"
         elif draft_count > step.draft_capacity:
             reason = "draft lists outgrew its buffer"
-        elif num_drafts and metadata.draft[self.first_sparse].max_len > step.metadata.draft[self.first_sparse].max_len:
-            reason = "draft lists outgrew their launch hint"
         elif full_count > step.full_capacity or metadata.full.max_len > step.metadata.full.max_len:
             reason = "full lists outgrew its buffer"
         else:
             reason = None
         if reason is not None:
-            draft_hint = list_hint(metadata.draft[self.first_sparse].max_len) if num_drafts else 0
+            draft_hint = metadata.draft[self.first_sparse].max_len if num_drafts else 0
             step = self._steps[key] = self._static_step(
                 *key,
                 draft_capacity=max(2 * draft_count, 2 * step.draft_capacity if step else 0),
