@@ -34,6 +34,7 @@ StepCallback = Callable[[StepPlan, list[Request]], None]
 # queueing its device work, waiting for and reading its results, applying them to the requests.
 HOST_PHASES = ("schedule", "launch", "read-back", "commit")
 DEFAULT_STEP_TOKENS = 2048  # query tokens per step unless a full batch of verifies needs more
+DEFAULT_CONTEXT_BOUND = 32768  # a request's longest context where the model's config names none
 DEFAULT_DRAFT_STEP_BUDGET = 1 << 16  # KV tokens a step's drafts read together on a GPU (see use_draft_step_budget)
 
 
@@ -181,12 +182,14 @@ class Engine:
         the batch and its contexts (a draft chain's lists for its k - 1 later forwards, the verify mass)."""
         config, k, policy = self.config, self.num_draft_slots, self.policy
         heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
+        context_bound = self.context_length or DEFAULT_CONTEXT_BOUND
         per_step, per_request, per_token = step_list_bytes(
             sparse_kv_heads=sum(heads[layer] for layer in policy.sparse_layers) if policy is not None else 0,
             chain_forwards=max(1, k - 1),
             sparsity=config.sparsity,
             min_entries=config.min_budget + k,
             step_entries=self.draft_step_budget,
+            context_bound=context_bound,
             scored=policy is not None and policy.uses_verify_scores,
         )
         workspace = step_workspace_bytes(self.max_step_tokens, config.max_batch_size, k, self.vocab_size)
@@ -195,7 +198,7 @@ class Engine:
             self.dtype,
             self.device,
             workspace_bytes=workspace + per_step + config.max_batch_size * per_request,
-            host_ceiling_tokens=config.max_batch_size * (self.context_length or 32768),
+            host_ceiling_tokens=config.max_batch_size * context_bound,
             step_bytes_per_token=per_token,
             device_fraction=config.kv_memory_fraction,
         )

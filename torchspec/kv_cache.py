@@ -116,18 +116,28 @@ def auto_capacity_tokens(
 
 
 def step_list_bytes(
-    sparse_kv_heads: int, chain_forwards: int, sparsity: float, min_entries: int, step_entries: int, scored: bool
+    sparse_kv_heads: int,
+    chain_forwards: int,
+    sparsity: float,
+    min_entries: int,
+    step_entries: int,
+    context_bound: int,
+    scored: bool,
 ) -> tuple[int, int, float]:
     """Device memory of a step's slot lists and verify mass, which grow with the batch and its contexts, as
     ``(bytes per step, bytes per request, bytes per token of context)``: each context token's slot in the full
-    lists (int64, about three copies as a step builds them), its share ``sparsity`` of the draft lists of
-    ``chain_forwards`` forwards over ``sparse_kv_heads`` (layer, KV head) pairs, each list at least ``min_entries``
-    long and all of a forward's at least ``step_entries`` together (``_DRAFT_LIST_COPIES`` copies while built),
-    and its verify mass (bf16 per pair) when PillarAttn scores the verify. W3 ran out of memory without them:
-    1,024 requests' chain lists took 1 GB per copy beside a pool sized from free memory."""
+    lists (int64, about three copies as a step builds them); the draft lists of ``chain_forwards`` forwards over
+    ``sparse_kv_heads`` (layer, KV head) pairs (``_DRAFT_LIST_COPIES`` copies while built), each list up to twice
+    its ``sparsity`` share of the context (a policy's recent run grows to a budget before it learns again), at
+    least ``min_entries`` long, and all of a forward's at least ``step_entries`` together; and, when PillarAttn
+    scores the verify, its mass (bf16 per pair), a row per request as wide as the longest context
+    (``context_bound``). W3 ran out of memory without them (1,024 requests' chain lists took 1 GB per copy beside a
+    pool sized from free memory), and again with offload, which fills the pool, when the lists were counted at
+    their budget and the mass by the tokens held."""
     per_draft_entry = _DRAFT_LIST_COPIES * 8 * sparse_kv_heads * chain_forwards
-    per_token = 3 * 8 + per_draft_entry * sparsity + (2 * sparse_kv_heads if scored else 0)
-    return per_draft_entry * step_entries, per_draft_entry * min_entries, per_token
+    per_token = 3 * 8 + per_draft_entry * 2 * sparsity
+    mass = 2 * sparse_kv_heads * context_bound if scored else 0
+    return per_draft_entry * step_entries, per_draft_entry * min_entries + mass, per_token
 
 
 def step_workspace_bytes(max_step_tokens: int, max_batch_size: int, k: int, vocab_size: int) -> int:

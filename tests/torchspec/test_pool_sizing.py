@@ -70,16 +70,25 @@ def test_step_lists_and_verify_mass_are_reserved_beside_the_pool(monkeypatch: py
     room for them, where a pool sized for the K/V alone ran out of memory on an H200 with every request admitted."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (130 * GIB, 141 * GIB))
     per_step, per_request, per_token = step_list_bytes(
-        sparse_kv_heads=90, chain_forwards=7, sparsity=0.05, min_entries=136, step_entries=1 << 16, scored=True
+        sparse_kv_heads=90,
+        chain_forwards=7,
+        sparsity=0.05,
+        min_entries=136,
+        step_entries=1 << 16,
+        context_bound=8192,
+        scored=True,
     )
     workspace = step_workspace_bytes(max_step_tokens=9216, max_batch_size=1024, k=8, vocab_size=49152)
     plain = auto_capacity_tokens(SMOLLM2, torch.bfloat16, torch.device("cuda"), workspace, 1)
     step_lists = per_step + 1024 * per_request
     reserved = auto_capacity_tokens(SMOLLM2, torch.bfloat16, torch.device("cuda"), workspace + step_lists, 1, per_token)
-    lists_at_full_pool = reserved * (per_token - 2 * 90) + step_lists  # every pool token in some list
-    assert 1024 * per_request > 2 * GIB  # the minimum-length lists of 1,024 requests alone
+    # Every pool token in some request's lists, each list twice its budget (4 copies of 7 forwards' lists over 90
+    # layer-head pairs), and the verify mass of 1,024 rows as wide as the longest context.
+    draft_lists = reserved * 4 * 8 * 90 * 7 * 2 * 0.05 + per_step + 1024 * 4 * 8 * 90 * 7 * 136
+    mass = 1024 * 8192 * 90 * 2
+    assert 1024 * per_request >= mass + 2 * GIB  # the minimum-length lists of 1,024 requests, and the mass
     assert per_step > GIB  # a drained batch's share of the step's draft budget (65,536 entries per forward)
-    assert (plain - reserved) * bytes_per_token(SMOLLM2, torch.bfloat16) >= 0.9 * lists_at_full_pool
+    assert (plain - reserved) * bytes_per_token(SMOLLM2, torch.bfloat16) >= 0.9 * (draft_lists + mass)
     assert reserved > 0.85 * plain  # a few percent of the pool, not a cap
 
 
