@@ -24,6 +24,7 @@ from torchspec.parallel.group import TensorParallel
 from torchspec.request import FinishReason, Request
 from torchspec.scheduler import StepPlan
 from torchspec.stats import GenerationStats, RequestStats
+from torchspec.stopping import CriteriaBatch
 
 PROGRESS_SECONDS = 0.5  # how often the progress bar's token rate is refreshed
 
@@ -237,8 +238,9 @@ class SparseSpecForCausalLM(torch.nn.Module):
 
         ``stopping_criteria`` and ``stop_strings`` (with ``tokenizer=``, or the one given to ``wrap``) stop each
         row as transformers does, token for token: the criteria are checked on the host as a row's tokens are
-        committed, on a batch of one row, the row's input (its padding included) and the tokens generated so
-        far, with ``scores=None``. A criterion that keeps state per batch row sees every row as row 0.
+        committed, on the whole batch, each row its input (its padding included) and the tokens generated so
+        far, with ``scores=None`` (see torchspec/stopping.py). Rows advance at their own pace, so a criterion
+        that answers for the whole batch (lm-eval's) may stop a row a few tokens from where transformers would.
         """
         input_ids = kwargs.pop("inputs", input_ids)
         if input_ids is None:
@@ -255,6 +257,11 @@ class SparseSpecForCausalLM(torch.nn.Module):
         max_new_tokens, min_new_tokens = resolved.lengths_for(self.hf_model, input_ids.shape[1])
         params = resolved.sampling_params(max_new_tokens, min_new_tokens)
         engine = self.engine
+        fill = resolved.pad_token_id if resolved.pad_token_id is not None else 0
+        # The criteria see the batch as transformers does: each input row (with its padding), then its new tokens.
+        criteria = None
+        if params.stopping_criteria is not None:
+            criteria = CriteriaBatch(input_ids.cpu().tolist(), max_new_tokens, pad_token_id=fill)
         requests = []
         for row, (ids, mask) in enumerate(zip(input_ids.cpu(), attention_mask.cpu().bool(), strict=True)):
             prompt = ids[mask].tolist()
@@ -262,15 +269,14 @@ class SparseSpecForCausalLM(torch.nn.Module):
                 engine.check_request(prompt, params)
             except ValueError as error:
                 raise ValueError(f"batch row {row}: {error}") from None
-            # The criteria see the row as transformers does: the input row (with its padding), then the new tokens.
-            input_row = None if params.stopping_criteria is None else ids.tolist()
-            requests.append(Request(request_id=row, prompt_ids=prompt, params=params, input_row=input_row))
+            requests.append(
+                Request(request_id=row, prompt_ids=prompt, params=params, criteria=criteria, criteria_row=row)
+            )
         self.last_stats = engine.run(requests)
         failed = [r for r in requests if r.finish_reason is FinishReason.ERROR]
         if failed:
             raise RuntimeError(f"generation failed for batch row {failed[0].request_id}: {failed[0].error}")
         width = max(r.num_output_tokens for r in requests)
-        fill = resolved.pad_token_id if resolved.pad_token_id is not None else 0
         generated = torch.full((len(requests), width), fill, dtype=input_ids.dtype)
         for row, request in enumerate(requests):
             generated[row, : request.num_output_tokens] = torch.tensor(request.output_ids, dtype=input_ids.dtype)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from torchspec.stopping import CriteriaBatch
 
 
 class RequestStatus(enum.Enum):
@@ -34,8 +34,8 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     # transformers stopping criteria (a ``StoppingCriteriaList``: a callable of ``(input_ids, scores)`` that returns
-    # a bool or a ``[1]`` bool tensor), checked on the host as tokens are committed, on a batch of one row: the
-    # request's (see ``Request.input_row``), with ``scores=None``. None: none (the commit loop pays nothing).
+    # a bool or a bool per row), checked on the host as tokens are committed, on the rows of the request's batch
+    # (``Request.criteria``, torchspec/stopping.py), with ``scores=None``. None: none (the commit loop pays nothing).
     stopping_criteria: Any = field(default=None, compare=False)
 
     def validate(self) -> None:
@@ -109,11 +109,10 @@ class Request:
     # Read per request many times per step (a property's call, at batch 256, is host time a step pays): kept.
     num_prompt_tokens: int = field(init=False)
     table_row: int | None = field(default=None, init=False)  # its row of the runner's slot table, while it holds one
-    # Its row as the caller's batch held it before generation (``generate``'s left-padded input row), which the
-    # stopping criteria see ahead of the generated tokens, as in transformers; None: the prompt.
-    input_row: list[int] | None = None
-    # The row the stopping criteria read: ``input_row`` then room for ``max_new_tokens`` (made at the first commit).
-    criteria_row: torch.Tensor | None = field(default=None, init=False, repr=False)
+    # The rows its stopping criteria read (those of its ``generate`` call, each with the caller's input row ahead
+    # of its tokens, as in transformers), and its own; None: a batch of its prompt alone, made at the first commit.
+    criteria: CriteriaBatch | None = field(default=None, repr=False)
+    criteria_row: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

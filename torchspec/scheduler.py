@@ -54,13 +54,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from torchspec.drafting import DraftPolicy
 from torchspec.kv_cache import SlotAllocator
 from torchspec.kv_offload import OffloadStats
 from torchspec.request import DraftRound, FinishReason, Request, RequestStatus
 from torchspec.round_length import RoundLength
+from torchspec.stopping import CriteriaBatch
 
 # Slots a request running with ``offload`` gets at a time, at least (fewer top-ups, each a slot-table write).
 SLOT_CHUNK = 32
@@ -586,7 +585,9 @@ class Scheduler:
             kept = count - produced
             break
         if params.stopping_criteria is not None and kept:  # one test per commit when there are none
-            stop = _criteria_stop(request, tokens[:kept])
+            if request.criteria is None:  # a request of its own (not one of a generate call's rows)
+                request.criteria = CriteriaBatch([request.prompt_ids], params.max_new_tokens, pad_token_id=0)
+            stop = request.criteria.first_stop(params.stopping_criteria, request.criteria_row, produced, tokens[:kept])
             if stop is not None:
                 kept, reason = stop + 1, FinishReason.STOP
         request.token_ids.extend(tokens[:kept])
@@ -605,23 +606,3 @@ class Scheduler:
         self._leaving.discard(id(request))
         self.allocator.free(request.slots)
         request.slots = []
-
-
-def _criteria_stop(request: Request, tokens: list[int]) -> int | None:
-    """The index of the first of ``tokens`` (about to be appended to ``request``) after which its stopping criteria
-    say stop, or None. They are called token by token, as transformers calls them after each token, on a batch of
-    one row: the request's input row, its generated tokens and the new ones up to that token (``[1, length]``
-    int64 on the CPU), with ``scores=None``. transformers applies no ``min_new_tokens`` to them (it only keeps
-    stop tokens from being sampled), so neither does this."""
-    params, row = request.params, request.criteria_row
-    if row is None:  # the first commit: the input row, and room for every token the request may keep
-        head = request.prompt_ids if request.input_row is None else request.input_row
-        row = torch.empty((1, len(head) + params.max_new_tokens), dtype=torch.long)
-        row[0, : len(head)] = torch.tensor(head, dtype=torch.long)
-        request.criteria_row = row
-    start = row.shape[1] - params.max_new_tokens + request.num_output_tokens
-    row[0, start : start + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    for index in range(len(tokens)):
-        if bool(torch.as_tensor(params.stopping_criteria(row[:, : start + index + 1], None)).any()):
-            return index
-    return None

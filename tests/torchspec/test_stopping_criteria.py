@@ -151,7 +151,7 @@ def test_no_criteria_cost_nothing(plain: torch.Tensor) -> None:
     assert torch.equal(actual, plain)
     nothing = {"max_new_tokens": 4, "stopping_criteria": StoppingCriteriaList()}
     (request,) = wrapped._requests_for([BATCH.prompts[0]], None, nothing)
-    assert request.params.stopping_criteria is None and request.input_row is None
+    assert request.params.stopping_criteria is None and request.criteria is None
 
 
 def test_still_refused_options_name_themselves() -> None:
@@ -213,17 +213,23 @@ def test_stop_strings_in_generate_batch(smollm2: tuple[Any, Any]) -> None:
 
 
 @pytest.mark.slow
-def test_lm_eval_generate_until_call(smol: tuple[Any, Any, SparseSpecForCausalLM]) -> None:
-    """lm-eval 0.4.13's ``generate_until`` call (no attention mask, ``max_length``, its multi-token criterion,
-    ``pad_token_id``, ``use_cache``): stops at the ``until`` string, as the plain model's generate does."""
+@pytest.mark.parametrize("rows", [1, 2], ids=["batch-1", "batch-2"])
+def test_lm_eval_generate_until_call(smol: tuple[Any, Any, SparseSpecForCausalLM], rows: int) -> None:
+    """lm-eval 0.4.13's ``generate_until`` call (left-padded, ``max_length``, its multi-token criterion over the
+    batch, ``pad_token_id``, ``use_cache``): every row stops at its ``until`` string as with the plain model's
+    generate. One row: the same tensor. Two: the criterion keeps a flag per row and says stop once every row has
+    shown the string, which it must see in its own row (a batch of one row failed it with an IndexError); rows
+    advance at their own pace here, so a row may run on a few tokens more or less than transformers' past the
+    string, and the text up to it (what lm-eval keeps) is the same."""
     model, tokenizer, wrapped = smol
-    context = tokenizer(PROMPTS[:1], return_tensors="pt")["input_ids"]
-    until, width, max_gen_toks = "answer is", context.shape[1], 64
+    prompts = PROMPTS[:1] if rows == 1 else ["1, 2, 3,", "10, 11, 12,"]  # the second row shows " 15" first
+    context = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    until, width, max_gen_toks = " 15" if rows == 2 else "answer is", context["input_ids"].shape[1], 64
 
     def call(target: Any) -> torch.Tensor:
-        criteria = StoppingCriteriaList([MultiTokenEOSCriteria(until, tokenizer, width, context.shape[0])])
+        criteria = StoppingCriteriaList([MultiTokenEOSCriteria(until, tokenizer, width, rows)])
         return target.generate(
-            context,
+            **context,
             max_length=width + max_gen_toks,
             stopping_criteria=criteria,
             pad_token_id=tokenizer.pad_token_id,
@@ -232,9 +238,13 @@ def test_lm_eval_generate_until_call(smol: tuple[Any, Any, SparseSpecForCausalLM
         )
 
     expected, actual = call(model), call(wrapped)
-    assert torch.equal(actual, expected)
-    text = tokenizer.decode(actual[0, width:])
-    assert until in text and actual.shape[1] - width < max_gen_toks, text
+    if rows == 1:
+        assert torch.equal(actual, expected)
+    cut = [tokenizer.decode(row[width:], skip_special_tokens=True).split(until)[0] for row in (*expected, *actual)]
+    assert cut[:rows] == cut[rows:], cut
+    for row in actual:
+        assert until in tokenizer.decode(row[width:]), tokenizer.decode(row[width:])
+    assert actual.shape[1] - width < max_gen_toks, "the rows should stop at the string, not at max_length"
 
 
 def test_stop_strings_without_a_tokenizer_say_how() -> None:
