@@ -19,6 +19,7 @@ forward; if they differ, nothing is fused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType, SimpleNamespace
@@ -41,6 +42,7 @@ class FusedLayers:
 
     def __init__(self, model: nn.Module, layers: Sequence[LayerSpec], ops: Ops) -> None:
         self.ops = ops
+        self.device_type = next(model.parameters()).device.type
         self._layers = {spec.layer_idx: spec for spec in layers}
         self._cores: dict[nn.Module, Callable] = {}  # each module's weights are fused once, shared by its users
         self.forwards: dict[nn.Module, Callable] = {}
@@ -60,7 +62,7 @@ class FusedLayers:
         """Run the fused forwards in place of the modules' own for the duration."""
         own = {module: module.__dict__.get("forward") for module in self.forwards}
         for module, forward in self.forwards.items():
-            module.forward = forward
+            module.forward = _without_autocast(forward, self.device_type)
         try:
             yield
         finally:
@@ -278,14 +280,32 @@ def _fusable(linears: list[nn.Linear]) -> bool:
     )
 
 
+def _without_autocast(forward: Callable, device_type: str) -> Callable:
+    """``forward`` in the model's own dtype: the fused kernels take their inputs and weights in one dtype, and an
+    autocast a client enters inside the model's forward (TRL's trainer does, bf16 on a CPU) would hand them bf16
+    activations beside fp32 weights."""
+
+    @functools.wraps(forward)
+    def run(*args: object, **kwargs: object) -> object:
+        with torch.autocast(device_type, enabled=False):
+            return forward(*args, **kwargs)
+
+    return run
+
+
 def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) stacking ``linears``' outputs; each linear's own becomes a view of it."""
+    """One weight (and bias) stacking ``linears``' outputs; each linear's own parameter keeps its identity and
+    becomes a view of it (``.data``), so training still reaches it: an optimizer made before or after ``wrap()``
+    updates the fused weight in place, and the next rollout reads it. Made outside inference mode, whatever the
+    caller's: an inference tensor cannot take part in a backward pass (the q/k/v and gate/up weights of a
+    wrapped model stopped training under TRL)."""
 
     def fuse(name: str) -> torch.Tensor:
         parts = [getattr(linear, name) for linear in linears]
-        fused = torch.cat([part.detach() for part in parts])
-        for linear, part, view in zip(linears, parts, fused.split([p.shape[0] for p in parts]), strict=True):
-            setattr(linear, name, nn.Parameter(view, requires_grad=part.requires_grad))
+        with torch.inference_mode(False), torch.no_grad():
+            fused = torch.cat([part.detach() for part in parts])
+            for part, view in zip(parts, fused.split([p.shape[0] for p in parts]), strict=True):
+                part.data = view
         return fused
 
     return fuse("weight"), fuse("bias") if linears[0].bias is not None else None

@@ -57,6 +57,34 @@ class _OffsetRMSNorm(LlamaRMSNorm):
         return super().forward(hidden_states) + hidden_states * 0 + 0.5 * self.weight
 
 
+def test_a_wrapped_model_still_trains_and_the_next_rollout_reads_its_weights():
+    """RL rollouts: an optimizer made before ``wrap()`` still holds the model's parameters (same objects), a
+    backward pass reaches the fused q/k/v and gate/up weights (they were inference tensors, made under the
+    engine's inference mode, and stopped training), and the next generation reads the stepped weights: it is
+    the plain model's generate after the step."""
+    spec = tiny_spec("llama")
+    model = spec.build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    names = {name: id(parameter) for name, parameter in model.named_parameters()}
+    wrapped = sparsespec.wrap(model, k=3, min_budget=4, kv_capacity_tokens=512)
+    assert {name: id(parameter) for name, parameter in model.named_parameters()} == names
+    before = wrapped.generate(**BATCH.kwargs(), max_new_tokens=NEW_TOKENS, do_sample=False)
+    fused = {
+        name: p.detach().clone()
+        for name, p in model.named_parameters()
+        if name.endswith(("q_proj.weight", "up_proj.weight"))
+    }
+    ids, mask = BATCH.tensors()
+    model(input_ids=ids, attention_mask=mask).logits.float().pow(2).mean().backward()
+    optimizer.step()
+    assert all(not torch.equal(fused[name], p) for name, p in model.named_parameters() if name in fused)
+    after = wrapped.generate(**BATCH.kwargs(), max_new_tokens=NEW_TOKENS, do_sample=False)
+    with torch.no_grad():
+        plain = model.generate(**BATCH.kwargs(), max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert_same_tokens(plain, after, spec, BATCH)
+    assert not torch.equal(before, after), "the step should change the greedy tokens"
+
+
 def test_a_module_that_only_looks_fusable_leaves_the_model_unfused(hf_reference):
     spec = tiny_spec("llama")
     model = spec.build()
