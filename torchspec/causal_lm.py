@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching import RequestStatus as TransformersRequestStatus
+from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from torchspec.config import SpecConfig
@@ -25,6 +26,7 @@ from torchspec.request import FinishReason, Request
 from torchspec.scheduler import StepPlan
 from torchspec.stats import GenerationStats, RequestStats
 from torchspec.stopping import CriteriaBatch
+from torchspec.streamer import StreamedColumns
 
 PROGRESS_SECONDS = 0.5  # how often the progress bar's token rate is refreshed
 
@@ -45,11 +47,13 @@ class RequestOutput:
     finish_reason: str  # "stop", "length" or "error"
     error: str | None
     stats: RequestStats
+    child: int | None = None  # which further sample of the prompt it is (``num_return_sequences``); None: the first
 
     @property
     def request_id(self) -> str:
-        """transformers' id for the ``index``-th prompt of a call (``"req_0"``, ``"req_1"``, ...)."""
-        return f"req_{self.index}"
+        """transformers' id for the ``index``-th prompt of a call (``"req_0"``, ``"req_1"``, ...); its further samples
+        are its children, ``"req_0__child#0"``, ``"req_0__child#1"``, ..."""
+        return f"req_{self.index}" if self.child is None else f"req_{self.index}__child#{self.child}"
 
     @property
     def generated_tokens(self) -> list[int]:
@@ -229,12 +233,17 @@ class SparseSpecForCausalLM(torch.nn.Module):
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         generation_config: GenerationConfig | None = None,
+        *,
+        streamer: BaseStreamer | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         """Like transformers' ``generate`` for decoder-only models, on a (left-)padded ``[B, S]`` batch.
 
-        Returns ``[B, S + n]`` token ids (finished rows padded with ``pad_token_id``; ``n`` is the longest
-        generation), or a ``GenerateDecoderOnlyOutput`` when ``return_dict_in_generate=True``.
+        Returns ``[B * num_return_sequences, S + n]`` token ids (each prompt's samples in consecutive rows, finished
+        rows padded with ``pad_token_id``; ``n`` is the longest generation), or a ``GenerateDecoderOnlyOutput``
+        when ``return_dict_in_generate=True``. A prompt's samples prefill it once (see torchspec/scheduler.py).
+        ``streamer`` gets the input rows, then each column of new tokens as every row has committed it, then
+        ``end()``, as transformers calls it (torchspec/streamer.py).
 
         ``stopping_criteria`` and ``stop_strings`` (with ``tokenizer=``, or the one given to ``wrap``) stop each
         row as transformers does, token for token: the criteria are checked on the host as a row's tokens are
@@ -254,6 +263,9 @@ class SparseSpecForCausalLM(torch.nn.Module):
             raise ValueError(
                 f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
             )
+        # As transformers: a prompt's samples are consecutive rows (prompt 0 n times, then prompt 1 ...).
+        input_ids = input_ids.repeat_interleave(resolved.num_return_sequences, dim=0)
+        attention_mask = attention_mask.repeat_interleave(resolved.num_return_sequences, dim=0)
         max_new_tokens, min_new_tokens = resolved.lengths_for(self.hf_model, input_ids.shape[1])
         params = resolved.sampling_params(max_new_tokens, min_new_tokens)
         engine = self.engine
@@ -264,6 +276,10 @@ class SparseSpecForCausalLM(torch.nn.Module):
             criteria = CriteriaBatch(input_ids.cpu().tolist(), max_new_tokens, pad_token_id=fill)
         requests = []
         for row, (ids, mask) in enumerate(zip(input_ids.cpu(), attention_mask.cpu().bool(), strict=True)):
+            first = row - row % resolved.num_return_sequences
+            if row > first:  # a further sample of the prompt above: it copies the first's prompt K/V
+                requests.append(requests[first].fork(row, criteria_row=row))
+                continue
             prompt = ids[mask].tolist()
             try:
                 engine.check_request(prompt, params)
@@ -272,7 +288,13 @@ class SparseSpecForCausalLM(torch.nn.Module):
             requests.append(
                 Request(request_id=row, prompt_ids=prompt, params=params, criteria=criteria, criteria_row=row)
             )
-        self.last_stats = engine.run(requests)
+        on_step = None
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+            on_step = StreamedColumns(streamer, requests, fill)
+        self.last_stats = engine.run(requests, on_step=on_step)
+        if streamer is not None:
+            streamer.end()
         failed = [r for r in requests if r.finish_reason is FinishReason.ERROR]
         if failed:
             raise RuntimeError(f"generation failed for batch row {failed[0].request_id}: {failed[0].error}")
@@ -288,11 +310,13 @@ class SparseSpecForCausalLM(torch.nn.Module):
     # -- generate_batch ----------------------------------------------------------------------------------
     def _requests_for(
         self, inputs: Sequence[str | Sequence[int]], generation_config: GenerationConfig | None, kwargs: dict
-    ) -> list[Request]:
+    ) -> list[list[Request]]:
+        """Per input, its ``num_return_sequences`` requests: the first prefills the prompt, the others copy its K/V
+        (``Request.fork``). A bad input comes back as that many requests finished with its error."""
         resolved = resolve_generation_config(self.hf_model, generation_config, kwargs, self.tokenizer)
         resolved.sampling_params(0, 0).validate()  # call-wide values (temperature, top-p...) fail the call
         engine = self.engine
-        requests = []
+        groups = []
         for index, item in enumerate(inputs):
             try:
                 prompt = self._tokenize(item)
@@ -300,10 +324,10 @@ class SparseSpecForCausalLM(torch.nn.Module):
             except ValueError as error:
                 request = Request(request_id=index, prompt_ids=[], params=resolved.sampling_params(0, 0))
                 request.finish(FinishReason.ERROR, str(error))
-                requests.append(request)
-                continue
-            requests.append(engine.new_request(index, prompt, params))
-        return requests
+            else:
+                request = engine.new_request(index, prompt, params)
+            groups.append([request, *(request.fork(index) for _ in range(resolved.num_return_sequences - 1))])
+        return groups
 
     @torch.inference_mode()
     def generate_batch(
@@ -322,7 +346,9 @@ class SparseSpecForCausalLM(torch.nn.Module):
         continuous batching. Returns what transformers' ``generate_batch`` returns, so its callers run
         unchanged: one output per input keyed by its request id (``"req_0"``, ``"req_1"``, ...), in input
         order, each with ``generated_tokens``; ``list(result.values())`` is the list of :class:`RequestOutput`.
-        A bad prompt is reported in its output (``finish_reason="error"``) and the others complete.
+        With ``num_return_sequences=n`` an input's n samples are keyed as transformers keys them, its children
+        first (``"req_0__child#0"`` ... ``"req_0__child#{n-2}"``), then ``"req_0"``; they prefill the prompt once.
+        A bad prompt is reported in its output(s) (``finish_reason="error"``) and the others complete.
 
         transformers' own arguments are accepted: ``continuous_batching_config`` sizes and schedules
         transformers' manager, which torchspec's engine does from ``wrap()``'s options instead (its
@@ -336,7 +362,8 @@ class SparseSpecForCausalLM(torch.nn.Module):
         for name, off in (("return_logprobs", False), ("seed", None)):
             if getattr(continuous_batching_config, name, off) != off:
                 raise ValueError(f"continuous_batching_config.{name} is not supported by torchspec")
-        requests = self._requests_for(inputs, generation_config, dict(kwargs))
+        groups = self._requests_for(inputs, generation_config, dict(kwargs))
+        requests = [request for group in groups for request in group]
         with tqdm(total=len(requests), unit="req", disable=not progress_bar, desc="generate") as bar:
             bar.update(sum(r.is_finished for r in requests))
             start = time.perf_counter()
@@ -353,14 +380,18 @@ class SparseSpecForCausalLM(torch.nn.Module):
                 bar.update(len(finished))
 
             self.last_stats = self.engine.run(requests, on_step=on_step)
-        return by_request_id(self._output(r) for r in requests)
+        # transformers lists an input's samples as its children, then the parent: the one the others copied from.
+        outputs = (self._output(r, child) for group in groups for child, r in [*enumerate(group[1:]), (None, group[0])])
+        return by_request_id(outputs)
 
     @torch.inference_mode()
     def stream(
         self, prompt: str | Sequence[int], generation_config: GenerationConfig | None = None, **kwargs: Any
     ) -> Iterator[list[int]]:
         """Generate for one prompt, yielding the new token ids of each step as they are produced."""
-        (request,) = self._requests_for([prompt], generation_config, dict(kwargs))
+        ((request, *samples),) = self._requests_for([prompt], generation_config, dict(kwargs))
+        if samples:
+            raise ValueError("stream() makes one sample of its prompt: use generate or generate_batch for several")
         if request.error is not None:
             raise ValueError(request.error)
         emitted = request.num_output_tokens
@@ -386,7 +417,7 @@ class SparseSpecForCausalLM(torch.nn.Module):
             raise ValueError("a prompt must be a string or a list of integer token ids")
         return [int(t) for t in item]
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, request: Request, child: int | None = None) -> RequestOutput:
         text = None
         if self.tokenizer is not None and request.finish_reason is not FinishReason.ERROR:
             text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
@@ -407,4 +438,5 @@ class SparseSpecForCausalLM(torch.nn.Module):
                 else request.first_token_time - request.arrival_time,
                 speculation=request.spec_stats,
             ),
+            child=child,
         )

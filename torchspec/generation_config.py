@@ -20,7 +20,6 @@ from torchspec.request import SamplingParams
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "num_beams": (None, 1),
     "num_beam_groups": (None, 1),
-    "num_return_sequences": (None, 1),
     "penalty_alpha": (None,),
     "repetition_penalty": (None, 1.0),
     "encoder_repetition_penalty": (None, 1.0),
@@ -58,13 +57,12 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 # generate() arguments outside GenerationConfig that torchspec does not implement. Clients pass some of them
-# with values that ask for nothing (a pipeline's `streamer=None`, a trainer's `synced_gpus=False`, an empty
-# `LogitsProcessorList`): those are accepted.
+# with values that ask for nothing (a trainer's `synced_gpus=False`, an empty `LogitsProcessorList`): those are
+# accepted. (`streamer` is generate's own argument; generate_batch and stream refuse one as an unknown argument.)
 UNSUPPORTED_GENERATE_ARGS = (
     "logits_processor",
     "prefix_allowed_tokens_fn",
     "assistant_model",
-    "streamer",
     "negative_prompt_ids",
     "negative_prompt_attention_mask",
     "custom_generate",
@@ -92,6 +90,7 @@ class ResolvedGeneration:
     has_default_min_length: bool
     # transformers' criteria for the call (``stopping_criteria`` and those ``stop_strings`` make), None when none.
     stopping_criteria: StoppingCriteriaList | None = None
+    num_return_sequences: int = 1  # samples per prompt
 
     def sampling_params(self, max_new_tokens: int, min_new_tokens: int) -> SamplingParams:
         config = self.config
@@ -149,7 +148,14 @@ def resolve_generation_config(
         raise ValueError(
             f"generation option(s) {enabled} are not supported by torchspec; unset them "
             "(supported: max_new_tokens, max_length, min_new_tokens, min_length, do_sample, temperature, "
-            "top_k, top_p, eos_token_id, pad_token_id, stop_strings, stopping_criteria, return_dict_in_generate)"
+            "top_k, top_p, eos_token_id, pad_token_id, stop_strings, stopping_criteria, num_return_sequences, "
+            "return_dict_in_generate, streamer)"
+        )
+    samples = 1 if config.num_return_sequences is None else config.num_return_sequences
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(
+            f"num_return_sequences must be an integer >= 1 (the samples generated per prompt), got {samples!r}; "
+            "pass e.g. num_return_sequences=4 with do_sample=True"
         )
     eos = config.eos_token_id
     eos_token_ids = () if eos is None else tuple(int(t) for t in ([eos] if isinstance(eos, int) else eos))
@@ -161,7 +167,7 @@ def resolve_generation_config(
         pad_token_id = eos_token_ids[0]
     criteria = _stopping_criteria(model, config, custom_criteria, tokenizer)
     return ResolvedGeneration(
-        config, eos_token_ids, pad_token_id, has_default_max_length, has_default_min_length, criteria
+        config, eos_token_ids, pad_token_id, has_default_max_length, has_default_min_length, criteria, samples
     )
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from torchspec.transfer import to_device
+
 # Share of the device memory left after the weights and the step workspace that an automatic pool takes by default
 # (``kv_memory_fraction``); the rest absorbs what the estimate misses (allocator fragmentation, compiled kernels).
 DEFAULT_DEVICE_MEMORY_FRACTION = 0.9
@@ -71,6 +73,14 @@ class KVPool:
         self.k = [torch.empty(num_slots + 1, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layers]
         self.v = [torch.empty_like(k) for k in self.k]
         self.allocator = SlotAllocator(num_slots)
+
+    def copy(self, sources: Sequence[int], destinations: Sequence[int]) -> None:
+        """Copy the K/V rows of slots ``sources`` into slots ``destinations`` in every layer, queued on the device
+        (one prompt's K/V for each of its other samples, ``num_return_sequences``)."""
+        index = to_device([sources, destinations], self.k[0].device)
+        for k, v in zip(self.k, self.v, strict=True):
+            k[index[1]] = k[index[0]]
+            v[index[1]] = v[index[0]]
 
 
 def bytes_per_token(layers: Sequence[LayerSpec], dtype: torch.dtype) -> int:

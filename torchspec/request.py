@@ -113,11 +113,26 @@ class Request:
     # of its tokens, as in transformers), and its own; None: a batch of its prompt alone, made at the first commit.
     criteria: CriteriaBatch | None = field(default=None, repr=False)
     criteria_row: int = 0
+    # Another sample of this request's prompt (``num_return_sequences``): the request whose prompt K/V it copies
+    # instead of prefilling the prompt again, until the scheduler copies it or gives up (``Scheduler._share_prompts``).
+    prefix_source: Request | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         self.num_prompt_tokens = len(self.prompt_ids)
+
+    def fork(self, request_id: int, criteria_row: int = 0) -> Request:
+        """Another sample of this request's prompt (``num_return_sequences``), which copies the prompt's K/V from
+        this one rather than prefilling it again; a request that failed its checks forks into the same failure."""
+        child = Request(
+            request_id, list(self.prompt_ids), self.params, criteria=self.criteria, criteria_row=criteria_row
+        )
+        if self.is_finished:
+            child.finish(self.finish_reason, self.error)
+        else:
+            child.prefix_source = self
+        return child
 
     @property
     def output_ids(self) -> list[int]:

@@ -322,7 +322,8 @@ class Runner:
         """The plan's KV moves, queued before any step that reuses their slots: requests leaving the pool copy
         their K/V to the host and give their slot-table rows back; those coming back copy theirs into their
         new slots and get a row (with their newest token, which a decoding step reads from it); requests given
-        more slots get them in their rows; requests that ended while the plan was made give their rows back."""
+        more slots get them in their rows; samples of a prompt copy its K/V from another's slots into theirs;
+        requests that ended while the plan was made give their rows back."""
         for request, slots in plan.offloads:
             self.host.offload(id(request), slots)
             self.table.release(request)
@@ -331,6 +332,11 @@ class Runner:
             row = self.table.row(request)
             if request.decoding:
                 self.table.last_tokens[row] = request.token_ids[-1]
+        if plan.forks:  # after the restores: a source may have just come back
+            # A sample has no slot-table row yet (one that leaves the pool while it waits gives its source up): the
+            # row it gets at its first step counts the copied positions computed.
+            sources = [slot for _, slots in plan.forks for slot in slots]
+            self.pool.copy(sources, [slot for request, slots in plan.forks for slot in request.slots[: len(slots)]])
         for request in plan.grown:
             self.table.extend(request)
         for request in plan.stopped:

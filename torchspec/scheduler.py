@@ -44,6 +44,13 @@ they come back (new slots, their K/V copied in) before any new request is admitt
 flight cannot move: it sits the next step out and moves once that step is read back. So the oldest requests
 always run, finish first, and nothing is recomputed. The plan carries the moves; the runner makes them before
 the step's forwards.
+
+Samples of one prompt (``num_return_sequences``) prefill it once: the first prefills the prompt up to its last
+k + 1 tokens and the others (``Request.prefix_source``) wait meanwhile, then copy that K/V into their own slots (a
+move of the plan, ``StepPlan.forks``) and all of them compute the last k + 1 tokens, the queries a final prompt
+chunk teaches the draft policy from, and sample their own first tokens. Each request keeps slots of its own
+(copies, not shared slots), so freeing, offloading and the slot table need nothing new; a sample whose source
+is not there to copy from (it waits, sits the step out, left the pool or finished) prefills on its own.
 """
 
 from __future__ import annotations
@@ -150,6 +157,8 @@ class StepPlan:
     restores: list[Request] = field(default_factory=list)
     grown: list[Request] = field(default_factory=list)
     stopped: list[Request] = field(default_factory=list)  # ended while planning (their rows go back)
+    # Samples of a prompt that copy its K/V from another's slots (these, in position order) into their own.
+    forks: list[tuple[Request, list[int]]] = field(default_factory=list)
     num_drafts: int = field(init=False)  # read several times per step: counted once
 
     def __post_init__(self) -> None:
@@ -205,6 +214,7 @@ class Scheduler:
         self._admission: dict[int, int] = {}  # id() of a request in the pool or on the host -> admission order
         self._admitted = 0
         self._moves = StepPlan([])  # the moves decided for the step being planned
+        self._fork_at: dict[int, int] = {}  # id() of a request whose prompt others wait for -> where they copy it
         self.stagger = stagger  # each step starts at most half of the decoding requests' rounds
         # A request's next step is launched while its round (or plain step) is in flight (draft chains, delayed).
         self.rounds_ahead = rounds_ahead
@@ -242,6 +252,7 @@ class Scheduler:
             in_flight_ids = {id(item.request) for item in in_flight.scheduled} if in_flight is not None else set()
             blocked = self._make_room(in_flight_ids)
         self._admit()
+        blocked |= self._share_prompts(blocked)
         if self.policy is not None:
             self.policy.step_share = self.draft_step_budget // max(1, len(self.running))
         if self.round_length.adaptive:
@@ -279,7 +290,10 @@ class Scheduler:
             if item is None:
                 if budget == 0:
                     break
+                first = request.num_computed_tokens + ahead
                 size = min(request.num_pending_tokens - ahead, budget)
+                if first < self._fork_at.get(id(request), 0):  # stop where the samples waiting for it copy
+                    size = min(size, self._fork_at[id(request)] - first)
                 item = ScheduledRequest(request, Phase.PREFILL, size, ahead=ahead)
             elif (item.num_query_tokens > budget or item.verify_tokens > verify_budget) and scheduled:
                 break
@@ -289,7 +303,30 @@ class Scheduler:
         # Drafts first, longest chain first: a chain's later forwards then hold a prefix of the step's drafts.
         scheduled.sort(key=lambda item: (item.phase is not Phase.DRAFT, -item.chain))
         moves = self._moves
-        return StepPlan(scheduled, moves.offloads, moves.restores, moves.grown, moves.stopped)
+        return StepPlan(scheduled, moves.offloads, moves.restores, moves.grown, moves.stopped, moves.forks)
+
+    def _share_prompts(self, blocked: set[int]) -> set[int]:
+        """Decide, for each sample of a prompt still waiting for its ``prefix_source`` (see the module docstring),
+        whether it copies the prompt's K/V in this step's moves, goes on waiting, or prefills on its own (no
+        source to copy from, or a prompt of at most k + 1 tokens). Returns those that wait this step, and notes
+        where their sources' prefills stop for them (``_fork_at``)."""
+        waiting: set[int] = set()
+        self._fork_at = {}
+        for request in self.running:
+            source = request.prefix_source
+            if source is None or id(request) in blocked:
+                continue
+            shared = request.num_prompt_tokens - self.k - 1
+            if shared < 1 or source.status is not RequestStatus.RUNNING or id(source) in blocked:
+                request.prefix_source = None
+            elif source.num_computed_tokens >= shared:
+                request.prefix_source = None
+                request.num_computed_tokens = shared
+                self._moves.forks.append((request, source.slots[:shared]))
+            else:
+                waiting.add(id(request))
+                self._fork_at[id(source)] = shared
+        return waiting
 
     def _max_starts(self) -> int:
         """Decoding requests whose next step this step may start: all of them, or half with ``stagger`` (rounded
@@ -507,6 +544,7 @@ class Scheduler:
         """Move a request out of the pool: its K/V to the host (the plan's move), its slots freed, and it waits
         at the head of the queue, in admission order."""
         self._leaving.discard(id(request))
+        request.prefix_source = None  # back in the pool, a sample that waited for it prefills on its own
         computed = request.num_computed_tokens
         self._moves.offloads.append((request, request.slots[:computed]))
         self.allocator.free(request.slots)

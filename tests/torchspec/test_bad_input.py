@@ -182,7 +182,6 @@ UNSUPPORTED_OPTIONS = [
     pytest.param({"num_beams": 2}, "num_beams", id="num_beams"),
     pytest.param({"repetition_penalty": 1.2}, "repetition_penalty", id="repetition_penalty"),
     pytest.param({"output_scores": True, "return_dict_in_generate": True}, "output_scores", id="output_scores"),
-    pytest.param({"streamer": object()}, "streamer", id="streamer"),
     pytest.param({"foo": 1}, "foo", id="unknown-kwarg"),
 ]
 

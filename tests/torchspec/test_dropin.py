@@ -65,6 +65,25 @@ def test_text_generation_pipeline_matches_the_plain_model(
     assert wrapped.last_stats.num_requests == len(CHATS), "the pipeline did not generate on torchspec's engine"
 
 
+def test_pipeline_returns_num_return_sequences_samples(
+    smollm2: tuple[Any, Any], wrapped: SparseSpecForCausalLM
+) -> None:
+    """Chat, batch 2, sampled with ``num_return_sequences=3``: the pipeline gets three different answers per chat
+    from torchspec's engine (the rows in transformers' layout, which the pipeline regroups per prompt)."""
+    _, tokenizer = smollm2
+    options = {"max_new_tokens": 8, "do_sample": True, "num_return_sequences": 3, "batch_size": len(CHATS)}
+    wrapped.last_stats = type(wrapped.last_stats)()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        outputs = pipeline("text-generation", model=wrapped, tokenizer=tokenizer)(CHATS, **options)
+    assert [len(samples) for samples in outputs] == [3] * len(CHATS)
+    for chat, samples in zip(CHATS, outputs, strict=True):
+        assert all(sample["generated_text"][: len(chat)] == chat for sample in samples)
+        answers = {sample["generated_text"][-1]["content"] for sample in samples}
+        assert len(answers) == 3, answers
+    assert wrapped.last_stats.num_requests == 3 * len(CHATS), "the pipeline did not generate on torchspec's engine"
+
+
 def test_generate_accepts_options_that_ask_for_nothing(
     smollm2: tuple[Any, Any], wrapped: SparseSpecForCausalLM
 ) -> None:

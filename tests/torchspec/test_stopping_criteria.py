@@ -150,7 +150,7 @@ def test_no_criteria_cost_nothing(plain: torch.Tensor) -> None:
     )
     assert torch.equal(actual, plain)
     nothing = {"max_new_tokens": 4, "stopping_criteria": StoppingCriteriaList()}
-    (request,) = wrapped._requests_for([BATCH.prompts[0]], None, nothing)
+    ((request,),) = wrapped._requests_for([BATCH.prompts[0]], None, nothing)
     assert request.params.stopping_criteria is None and request.criteria is None
 
 
