@@ -54,10 +54,10 @@ def use_cuda_graphs(setting: bool | None, device: torch.device, ops: object) -> 
 def use_draft_step_budget(setting: int | None, device: torch.device) -> int:
     """KV tokens a step's drafts may read together (``SpecConfig.draft_step_budget``): ``None`` = 65,536 on a GPU,
     where a forward of few requests costs its launches and weight reads whatever it attends to, and 0 on a CPU.
-    Measured on W1 (H200): 65,536 (256 positions a request at full batch, 8K at 8 requests) made 42.6K tok/s,
-    32,768 (128 at full batch: the drafts' ``min_budget``) 33.9K with 11 s of mid-run Top-K compiles (since
-    served by the reference), and none 36.5K: a larger floor drafts better at full batch (6.79 accepted of 8
-    against 6.50) for rounds 10% longer, and better again as the batch drains."""
+    Measured on W1 (H200, docs/performance.md runs G and H): 65,536 (256 positions a request at full batch, 8K at
+    8 requests) made 44.7K tok/s where 0 made 36.5K (run G), and 42.6K where 32,768 made 33.9K with 11 s of
+    mid-run Top-K compiles, since served by the reference (run H): a larger floor drafts better at full batch
+    (6.79 accepted of 8 against 6.50) for rounds 10% longer, and better again as the batch drains."""
     if setting is not None:
         return setting
     return DEFAULT_DRAFT_STEP_BUDGET if device.type == "cuda" else 0
