@@ -116,8 +116,8 @@ def prefill_attention(
     """``query`` ``[T, H, D]`` of a packed prefill batch over shared slot lists; returns ``[T, H, D]`` and the
     LSE ``[T, H]`` (natural log), as the reference. Launch hints of the other backends are accepted and not
     needed."""
-    if hints.get("first_lists") is not None:
-        raise ValueError("FlexAttention serves shared lists; per-head draft lists are the Triton kernel's")
+    if hints.get("first_lists") is not None or hints.get("kv_ends") is not None:
+        raise ValueError("FlexAttention serves whole shared lists; draft lists and list ends are the Triton kernel's")
     num_tokens, num_entries = query.shape[0], kv_indices.shape[0]
     if num_tokens == 0 or num_entries == 0:
         return torch.zeros_like(query), query.new_full(query.shape[:2], float("-inf"), dtype=torch.float32)
@@ -133,10 +133,12 @@ def prefill_attention(
 
 def with_flex_prefill(base: ModuleType) -> SimpleNamespace:
     """The op set of ``base`` (Triton on CUDA, the reference elsewhere) with FlexAttention for steps whose
-    longest query is a prefill chunk (over ``MIN_QUERY_LEN`` tokens) and that carry no per-head draft lists."""
+    longest query is a prefill chunk (over ``MIN_QUERY_LEN`` tokens) and that carry no per-head draft lists and no
+    list ends."""
 
     def paged_attention(*arrays: torch.Tensor | float | int | None, **hints: object):
-        prefill = hints.get("first_lists") is None and (hints.get("max_q_len") or 0) > MIN_QUERY_LEN
+        whole_lists = hints.get("first_lists") is None and hints.get("kv_ends") is None
+        prefill = whole_lists and (hints.get("max_q_len") or 0) > MIN_QUERY_LEN
         return (prefill_attention if prefill else base.paged_attention)(*arrays, **hints)
 
     return SimpleNamespace(**{name: getattr(base, name) for name in OP_NAMES} | {"paged_attention": paged_attention})

@@ -33,12 +33,16 @@ def _paged_attention(
     first_indices: torch.Tensor | None,
     first_max_q_len: int | None,
     first_max_kv_len: int | None,
+    first_ends: torch.Tensor | None,
     mass: torch.Tensor | None,
     num_scored_queries: torch.Tensor | None,
     max_scored_queries: int | None,
+    kv_ends: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     first_lists = (
-        FirstLists(num_first, first_indptr, first_indices, first_max_q_len, first_max_kv_len) if num_first else None
+        FirstLists(num_first, first_indptr, first_indices, first_max_q_len, first_max_kv_len, first_ends)
+        if num_first
+        else None
     )
     return paged.paged_attention(
         query,
@@ -55,6 +59,7 @@ def _paged_attention(
         mass=mass,
         num_scored_queries=num_scored_queries,
         max_scored_queries=max_scored_queries,
+        kv_ends=kv_ends,
     )
 
 
@@ -79,6 +84,7 @@ def paged_attention(
     mass: torch.Tensor | None = None,
     num_scored_queries: torch.Tensor | None = None,
     max_scored_queries: int | None = None,
+    kv_ends: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`attention.reference.paged_attention`; the keyword hints spare the kernel a device sync."""
     first = first_lists if first_lists is not None else FirstLists(0, None, None)
@@ -97,6 +103,7 @@ def paged_attention(
         mass,
         num_scored_queries,
         max_scored_queries,
+        kv_ends,
     )
 
 

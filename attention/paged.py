@@ -131,6 +131,7 @@ def _attend_work(
     Lse,
     cu_seqlens_q,
     indptr,
+    ends,
     indices,
     stride_idx,
     num_kv_heads,
@@ -168,7 +169,8 @@ def _attend_work(
     pool), then the split, the row tile and the request: the online softmax of one tile of (query token, group
     head) rows over split ``split`` of ``num_splits`` of the visible list entries; writes the normalised
     partial output and its LSE (natural log). A request's tiles end at its last row (the first one may start
-    before its first); a tile past its request's rows reads and writes nothing.
+    before its first); a tile past its request's rows reads and writes nothing. The request's list is
+    ``indices[indptr[request]:ends[request]]`` (``ends``: ``indptr + 1``, or a draft round's shorter prefixes).
     ``PADDED``: the set's lists are per KV head and may hold -1 padding anywhere, so every block is masked;
     shared lists hold only real slots (the reference's contract), so their whole visible blocks are not.
     ``SCORED``: the request's last ``num_scored`` query tokens (all in its last tile) also write the verify mass of
@@ -182,7 +184,7 @@ def _attend_work(
     q_start = tl.load(cu_seqlens_q + first_request + request)
     q_len = tl.load(cu_seqlens_q + first_request + request + 1) - q_start
     kv_start = tl.load(indptr + request)
-    kv_len = tl.load(indptr + request + 1) - kv_start
+    kv_len = tl.load(ends + request) - kv_start
     idx_ptr = indices + kv_head * stride_idx + kv_start
     request_tiles = tl.cdiv(q_len * GROUP, BLOCK_M)
     rows = q_len * GROUP - (request_tiles - tile) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -282,12 +284,15 @@ _PER_STEP = [
 ]
 
 
+# Arrays a program reads a few scalars of: aligned loads buy nothing, and as rows of a graph's per-forward buffers
+# (a chain graph's list ends, [forwards, D']) or views one past an indptr's start (its ends) their addresses vary
+# in alignment, so Triton would compile each kernel twice (1-4 s apiece on an H200, mid-run).
+_SCALAR_ARRAYS = ["cu_seqlens_q", "indptr_first", "ends_first", "indptr_second", "ends_second", "num_scored"]
+
+
 @triton.jit(
     do_not_specialize=["num_first", "programs_second", "window", "stride_mh", "stride_mb", *_PER_STEP],
-    # Arrays a program reads a few scalars of: aligned loads buy nothing, and as rows of a graph's per-forward
-    # buffers (a chain graph's list offsets, [forwards, D' + 1]) their addresses alternate between 16-byte
-    # aligned and not, so Triton would compile each kernel twice (1-4 s apiece on an H200, mid-run).
-    do_not_specialize_on_alignment=["cu_seqlens_q", "indptr_first", "indptr_second", "num_scored"],
+    do_not_specialize_on_alignment=_SCALAR_ARRAYS,
 )
 def _attention_kernel(
     Q,
@@ -298,6 +303,7 @@ def _attention_kernel(
     programs_second,
     num_kv_heads,
     indptr_second,
+    ends_second,
     indices_second,
     stride_idx_second,
     Out_second,
@@ -311,6 +317,7 @@ def _attention_kernel(
     tiles_second,
     splits_second,
     indptr_first,
+    ends_first,
     indices_first,
     stride_idx_first,
     Out_first,
@@ -358,18 +365,18 @@ def _attention_kernel(
     if pid < programs_second:
         if HAS_SECOND:
             _attend_work(
-                pid, num_first, Q, K, V, Out_second, Lse_second, cu_seqlens_q, indptr_second, indices_second,
-                stride_idx_second, num_kv_heads, tiles_second, splits_second, stride_qt, stride_qh, stride_ks,
-                stride_kh, stride_vs, stride_vh, stride_ot_second, stride_oh_second, stride_os_second,
+                pid, num_first, Q, K, V, Out_second, Lse_second, cu_seqlens_q, indptr_second, ends_second,
+                indices_second, stride_idx_second, num_kv_heads, tiles_second, splits_second, stride_qt, stride_qh,
+                stride_ks, stride_kh, stride_vs, stride_vh, stride_ot_second, stride_oh_second, stride_os_second,
                 stride_lt_second, stride_lh_second, stride_ls_second, scale_log2, window, Mass, num_scored, stride_mh,
                 stride_mb, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M_SECOND, BLOCK_N, PADDED_SECOND, HAS_WINDOW, DOT_PRECISION,
                 SCORED,
             )  # fmt: skip
     elif HAS_FIRST:
         _attend_work(
-            pid - programs_second, 0, Q, K, V, Out_first, Lse_first, cu_seqlens_q, indptr_first, indices_first,
-            stride_idx_first, num_kv_heads, tiles_first, splits_first, stride_qt, stride_qh, stride_ks, stride_kh,
-            stride_vs, stride_vh, stride_ot_first, stride_oh_first, stride_os_first, stride_lt_first,
+            pid - programs_second, 0, Q, K, V, Out_first, Lse_first, cu_seqlens_q, indptr_first, ends_first,
+            indices_first, stride_idx_first, num_kv_heads, tiles_first, splits_first, stride_qt, stride_qh, stride_ks,
+            stride_kh, stride_vs, stride_vh, stride_ot_first, stride_oh_first, stride_os_first, stride_lt_first,
             stride_lh_first, stride_ls_first, scale_log2, window, Mass, num_scored, stride_mh, stride_mb, GROUP,
             HEAD_DIM, BLOCK_D, BLOCK_M_FIRST, BLOCK_N, PADDED_FIRST, HAS_WINDOW, DOT_PRECISION, False,
         )  # fmt: skip
@@ -564,9 +571,11 @@ def _as_rows(indices: torch.Tensor) -> tuple[torch.Tensor, int]:
     return indices, (indices.stride(0) if indices.dim() == 2 else 0)
 
 
-def _max_len(cu: torch.Tensor) -> int:
-    """Longest range of an indptr/cu_seqlens tensor (a device sync: hints avoid it)."""
-    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+def _max_len(cu: torch.Tensor, ends: torch.Tensor | None = None) -> int:
+    """Longest range of an indptr/cu_seqlens tensor, or from its starts to ``ends`` (a device sync: hints avoid
+    it)."""
+    ends = cu[1:] if ends is None else ends
+    return int((ends - cu[: ends.shape[0]]).max()) if ends.numel() else 0
 
 
 @dataclass(frozen=True)
@@ -575,6 +584,7 @@ class _ListSet:
 
     num_requests: int
     indptr: torch.Tensor
+    ends: torch.Tensor  # [num_requests]: where each request's list ends (``indptr[1:]`` unless given)
     indices: torch.Tensor
     tiles: int
     splits: int
@@ -584,7 +594,8 @@ class _ListSet:
     def args(self) -> list:
         indices, stride = _as_rows(self.indices)
         out, lse = self.out, self.lse
-        return [self.indptr, indices, stride, out, lse, *out.stride()[:3], *lse.stride(), self.tiles, self.splits]
+        return [self.indptr, self.ends, indices, stride, out, lse, *out.stride()[:3], *lse.stride(), self.tiles,
+                self.splits]  # fmt: skip
 
 
 def paged_attention(
@@ -606,6 +617,7 @@ def paged_attention(
     num_splits: int | tuple[int, int] | None = None,
     launch: LaunchConfig | None = None,
     split_overhead: int = SPLIT_OVERHEAD_BLOCKS,
+    kv_ends: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`attention.reference.paged_attention` (same arguments and results).
 
@@ -635,8 +647,8 @@ def paged_attention(
         max_q_len if max_q_len is not None else _max_len(cu_seqlens_q[num_first:]),
     ]
     kv_lens = [
-        first.max_kv_len if first.max_kv_len is not None else _max_len(first.kv_indptr),
-        max_kv_len if max_kv_len is not None else _max_len(kv_indptr),
+        first.max_kv_len if first.max_kv_len is not None else _max_len(first.kv_indptr, first.kv_ends),
+        max_kv_len if max_kv_len is not None else _max_len(kv_indptr, kv_ends),
     ]
     block_m = [_block_m(q_len * group) for q_len in q_lens]
     tiles = [triton.cdiv(q_len * group, m) for q_len, m in zip(q_lens, block_m, strict=True)]
@@ -662,7 +674,9 @@ def paged_attention(
     launch = _fit_shared_memory(
         launch or _launch_config(head_dim, tile, query.dtype), _block_d(head_dim) * k_cache.element_size(), budget
     )
-    lists = [(first.kv_indptr, first.kv_indices), (kv_indptr, kv_indices)]
+    first_ends = first.kv_indptr[1:] if first.kv_ends is None else first.kv_ends
+    ends = kv_indptr[1:] if kv_ends is None else kv_ends
+    lists = [(first.kv_indptr, first_ends, first.kv_indices), (kv_indptr, ends, kv_indices)]
     constexprs = dict(
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -672,8 +686,8 @@ def paged_attention(
         BLOCK_N=launch.block_n,
         HAS_FIRST=requests[0] * tiles[0] > 0,
         HAS_SECOND=requests[1] * tiles[1] > 0,
-        PADDED_FIRST=lists[0][1].dim() == 2,
-        PADDED_SECOND=lists[1][1].dim() == 2,
+        PADDED_FIRST=lists[0][2].dim() == 2,
+        PADDED_SECOND=lists[1][2].dim() == 2,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(query.dtype),
         SCORED=scored,

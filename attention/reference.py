@@ -55,6 +55,9 @@ class FirstLists(NamedTuple):
     kv_indices: torch.Tensor
     max_q_len: int | None = None
     max_kv_len: int | None = None
+    #: ``[num_requests]``: request ``b`` reads its list up to ``kv_ends[b]`` instead of ``kv_indptr[b + 1]`` (the
+    #: forwards of a draft round read growing prefixes of one list per request).
+    kv_ends: torch.Tensor | None = None
 
 
 def store_kv(
@@ -95,6 +98,7 @@ def paged_attention(
     mass: torch.Tensor | None = None,
     num_scored_queries: torch.Tensor | None = None,
     max_scored_queries: int | None = None,
+    kv_ends: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a packed batch over per-request slot lists.
 
@@ -106,7 +110,8 @@ def paged_attention(
     ``first_lists``: the first ``first_lists.num_requests`` requests read these lists instead (e.g. sparse
     per-head draft lists next to shared verify lists, one launch in the kernels); ``kv_indptr``/``kv_indices``
     then cover the remaining requests. ``max_q_len``/``max_kv_len`` (of the remaining requests) and the
-    ones in ``first_lists`` are launch hints for the kernels (upper bounds), unused here.
+    ones in ``first_lists`` are launch hints for the kernels (upper bounds), unused here. ``kv_ends`` (``[B]``;
+    the first lists' own in ``first_lists``): request ``b``'s list ends there, not at ``kv_indptr[b + 1]``.
 
     ``mass`` (``[num_kv_heads, R, width]``, ``MASS_DTYPE``) with ``num_scored_queries`` (``[R]``) for the ``R``
     requests that read ``kv_indptr``/``kv_indices``: the verify mass PillarAttn ranks, computed in the same pass
@@ -131,6 +136,7 @@ def paged_attention(
             first_indices,
             scale,
             sliding_window,
+            kv_ends=first_lists.kv_ends,
         )
         rest = paged_attention(
             query[split:],
@@ -143,6 +149,7 @@ def paged_attention(
             sliding_window,
             mass=mass,
             num_scored_queries=num_scored_queries,
+            kv_ends=kv_ends,
         )
         return torch.cat([first[0], rest[0]]), torch.cat([first[1], rest[1]])
     num_tokens, num_heads, head_dim = query.shape
@@ -157,11 +164,12 @@ def paged_attention(
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=query.device)
     q_bounds = cu_seqlens_q.tolist()
-    kv_bounds = kv_indptr.tolist()
+    kv_starts = kv_indptr.tolist()
+    kv_ends = kv_starts[1:] if kv_ends is None else kv_ends.tolist()
     kv_head_index = torch.arange(num_kv_heads, device=query.device)[:, None]
     for b in range(len(q_bounds) - 1):
         q_start, q_end = q_bounds[b], q_bounds[b + 1]
-        kv_start, kv_end = kv_bounds[b], kv_bounds[b + 1]
+        kv_start, kv_end = kv_starts[b], kv_ends[b]
         q_len, kv_len = q_end - q_start, kv_end - kv_start
         if q_len == 0 or kv_len == 0:
             continue

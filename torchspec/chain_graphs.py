@@ -5,16 +5,16 @@ launch: hundreds of tensor ops per round, which at batch 256 (and even at batch 
 work they launch. Here forward j (2..k) of every chain in a bucket of ``D'`` requests is captured once as its
 own graph, together with what happens after it on the device (stop tokens forbidden below
 ``min_new_tokens``, temperature, top-k, top-p, the draw, the draft distribution kept for the verify). The
-host writes the round's inputs into the bucket's buffers once (positions, slots and per-forward draft lists:
-one flat buffer, each forward's offsets into it; the sampling columns) and replays the graph once per forward
-the round has, back to back: a round of 6 drafts runs 5 later forwards, not k - 1. One graph serves every
-forward: it reads which one it runs from a device counter (its rows of the round's buffers, its sampling
-column) and advances it, so a bucket captures once where a graph per forward captured k - 1 times (W1 on the
-H200: ~170 captures of ~75 ms each, most of them chain forwards).
+host writes the round's inputs into the bucket's buffers once (positions, slots, the round's draft lists: one
+per request, of which each forward reads a prefix up to its own ends; the sampling columns) and replays the
+graph once per forward the round has, back to back: a round of 6 drafts runs 5 later forwards, not k - 1. One
+graph serves every forward: it reads which one it runs from a device counter (its rows of the round's buffers,
+its sampling column) and advances it, so a bucket captures once where a graph per forward captured k - 1 times
+(W1 on the H200: ~170 captures of ~75 ms each, most of them chain forwards).
 
-A bucket of ``D'`` requests holds the round's buffers (the lists take ~1 GB at 256 requests and 8K contexts);
-each sampling layout in it has its own columns and graphs: which filters run and their widths are host
-choices a graph fixes (``DraftSampling.layout``). The graphs of every bucket share one memory pool: they run
+A bucket of ``D'`` requests holds the round's buffers (draft lists: ~80 MB at 256 requests, 8K contexts and
+sparsity 0.05); each sampling layout in it has its own columns and graphs: which filters run and their widths
+are host choices a graph fixes (``DraftSampling.layout``). The graphs of every bucket share one memory pool: they run
 one after another on one stream and keep nothing in it between replays (tokens and draft distributions go to
 buffers outside it).
 
@@ -46,8 +46,9 @@ class ChainInputs:
     first_tokens: torch.Tensor  # [D]: each request's first draft (forward 1's output)
     positions: torch.Tensor  # [L, D]: position fed by forward j + 1 (padding: 0)
     slots: torch.Tensor  # [L, D]: its KV slot (scratch past the request's chain)
-    indptr: torch.Tensor  # [L, D + 1]: offsets of each request's list into ``lists`` (empty past its chain)
-    lists: torch.Tensor  # [sparse layers, Hkv, N]: every forward's lists, flat
+    indptr: torch.Tensor  # [D + 1]: offsets of each request's list into ``lists``
+    ends: torch.Tensor  # [L, D]: where forward j + 1 stops reading each list (its start past the request's chain)
+    lists: torch.Tensor  # [sparse layers, Hkv, N]: the round's lists (``torchspec.draft_lists``)
     max_list_len: int  # longest list (a launch hint)
     sampling: DraftSampling  # forward j samples with sampling.select
 
@@ -74,7 +75,8 @@ class _ChainStep:
     forward: torch.Tensor  # [1]: the forward the next replay runs (1 .. k - 1); each replay advances it
     positions: torch.Tensor  # [k - 1, D']: ``ChainInputs``' rows copied in (padding: as there)
     slots: torch.Tensor  # [k - 1, D']
-    indptr: torch.Tensor  # [k - 1, D' + 1]
+    indptr: torch.Tensor  # [D' + 1]
+    ends: torch.Tensor  # [k - 1, D']
     lists: torch.Tensor  # [sparse layers, Hkv, capacity]
     list_hint: int  # longest list the bucket was made for (a launch hint)
     tokens: torch.Tensor  # [k, D']
@@ -146,7 +148,8 @@ class ChainGraphs:
             forward=torch.ones(1, dtype=torch.int64, device=self.device),
             positions=zeros(later, size),
             slots=zeros(later, size),
-            indptr=zeros(later, size + 1),
+            indptr=zeros(size + 1),
+            ends=zeros(later, size),
             lists=self._lists.view((len(self.sparse_layers), heads, capacity), size),
             list_hint=hint,
             tokens=zeros(self.k, size),
@@ -164,8 +167,10 @@ class ChainGraphs:
         step.positions[:forwards, :count] = inputs.positions
         step.slots[:forwards].fill_(self.pool.scratch_slot)
         step.slots[:forwards, :count] = inputs.slots
-        step.indptr[:forwards, : count + 1] = inputs.indptr
-        step.indptr[:forwards, count + 1 :] = inputs.indptr[:, -1:]
+        step.indptr[: count + 1] = inputs.indptr
+        step.indptr[count + 1 :] = inputs.indptr[-1]  # padding requests' lists: empty, where the real ones end
+        step.ends[:forwards, :count] = inputs.ends
+        step.ends[:forwards, count:] = inputs.indptr[-1]
         step.lists[..., : inputs.lists.shape[-1]] = inputs.lists
         inputs.sampling.copy_into(sampler.sampling, spare_row)
 
@@ -174,7 +179,7 @@ class ChainGraphs:
         holds): its rows of the round's buffers are picked on the device, and the counter advanced."""
         forward, tokens = step.forward, step.tokens
         reads = forward - 1  # the row of the round's buffers this forward reads
-        indptr = step.indptr.index_select(0, reads)[0]
+        ends = step.ends.index_select(0, reads)[0]
         metadata = AttentionMetadata(
             slot_mapping=step.slots.index_select(0, reads)[0],
             cu_seqlens_q=step.cu_seqlens_q,
@@ -182,7 +187,7 @@ class ChainGraphs:
             full=KVView(step.cu_seqlens_q[:1], step.cu_seqlens_q[:0], 0),  # no verifies
             num_drafts=step.size,
             draft={
-                layer: KVView(indptr, step.lists[i, :heads], step.list_hint)
+                layer: KVView(step.indptr, step.lists[i, :heads], step.list_hint, ends)
                 for i, (layer, heads) in enumerate(self.sparse_layers.items())
             },
             max_q_len=1,

@@ -197,12 +197,12 @@ class StepGraphs:
         num_tokens = num_drafts + num_verifies * self.verify_tokens
         draft_lists, draft = None, {}
         if num_drafts:
-            indptr = zeros(num_drafts + 1)
+            indptr, ends = zeros(num_drafts + 1), zeros(num_drafts)
             draft_lists = self._draft_lists.view(
                 (len(self.sparse_layers), max(self.sparse_layers.values()), draft_capacity), num_drafts
             )
             draft = {
-                layer: KVView(indptr, draft_lists[i, :heads], draft_hint)
+                layer: KVView(indptr, draft_lists[i, :heads], draft_hint, ends)
                 for i, (layer, heads) in enumerate(self.sparse_layers.items())
             }
         cu_seqlens_q = zeros(num_drafts + num_verifies + 1)
@@ -275,8 +275,11 @@ class StepGraphs:
             step.rows[: len(kept)] = to_device(kept, self.device)
             step.kept_rows = kept
         if drafts:
-            lists = metadata.draft[self.first_sparse]
-            _copy_padded(static.draft[self.first_sparse].kv_indptr, lists.kv_indptr)
+            lists, target = metadata.draft[self.first_sparse], static.draft[self.first_sparse]
+            _copy_padded(target.kv_indptr, lists.kv_indptr)
+            # Padding drafts' lists start and end where the real ones end.
+            target.kv_ends[:drafts] = lists.kv_indptr[1:] if lists.kv_ends is None else lists.kv_ends
+            target.kv_ends[drafts:] = lists.kv_indptr[-1]
             step.draft_lists[..., : lists.kv_indices.shape[-1]] = metadata.draft_lists
         if step.num_verifies:
             _copy_padded(static.cu_seqlens_q[padded_drafts:], metadata.cu_seqlens_q[drafts:] + shift)

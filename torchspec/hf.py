@@ -34,6 +34,9 @@ class KVView:
     kv_indptr: torch.Tensor  # [B + 1]
     kv_indices: torch.Tensor  # [N], or [num_kv_heads, N] for per-head lists
     max_len: int = 0  # longest list, or a bound on it (host-known): a launch hint, and the width of verify mass
+    # [B]: where each list ends when not at the next one's start (a draft round's forwards read prefixes of one
+    # list per request); None: kv_indptr[1:].
+    kv_ends: torch.Tensor | None = None
 
 
 @dataclass
@@ -156,6 +159,7 @@ class PagedForwardContext:
                 sliding_window,
                 max_q_len=meta.max_q_len,
                 max_kv_len=view.max_len,
+                kv_ends=view.kv_ends,
             )[0]
         drafts, first_lists = meta.num_drafts, None
         if drafts:
@@ -165,7 +169,7 @@ class PagedForwardContext:
                 if meta.draft_select is None
                 else meta.draft_select(layer, query[:drafts], k_cache, scaling)
             )
-            first_lists = FirstLists(drafts, view.kv_indptr, view.kv_indices, max_q_len=1, max_kv_len=view.max_len)
+            first_lists = FirstLists(drafts, view.kv_indptr, view.kv_indices, 1, view.max_len, view.kv_ends)
         scored = meta.num_scored_queries is not None
         return ops.paged_attention(
             query,
@@ -181,6 +185,7 @@ class PagedForwardContext:
             mass=meta.mass[meta.mass_layers[layer], : k_cache.shape[1]] if scored else None,
             num_scored_queries=meta.num_scored_queries,
             max_scored_queries=meta.max_scored_queries,
+            kv_ends=meta.full.kv_ends,
         )[0]
 
 

@@ -18,13 +18,13 @@ import torch
 from attention.reference import MAX_SCORED_ROWS
 from torchspec.chain_graphs import ChainGraphs, ChainInputs
 from torchspec.cuda_graphs import StepGraphs
+from torchspec.draft_lists import RoundLists, build_lists, offsets
 from torchspec.draft_probs import DraftProbsStore
 from torchspec.draft_sampling import DraftSampling
 from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context, verify_mass_buffer
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.kv_offload import HostKVStore
-from torchspec.request import Request
 from torchspec.sampling import DenseProbs, WarpedLogits, suppress_stop_tokens, target_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.slot_table import SlotTable
@@ -104,11 +104,16 @@ class Runner:
         return to_device(values, self.device)
 
     def build_metadata(
-        self, plan: StepPlan, input_ids: torch.Tensor | None = None, shifts: torch.Tensor | None = None
+        self,
+        plan: StepPlan,
+        input_ids: torch.Tensor | None = None,
+        shifts: torch.Tensor | None = None,
+        lists: RoundLists | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of the packed batch, built once for all layers.
         ``input_ids``: the packed tokens already on the device (a verify fed its drafts there), else the plan's.
         ``shifts``: the items' corrections (``_shifts``) where some start is only known on the device.
+        ``lists``: the draft requests' round lists (``_round_lists``), of which this forward is the first.
 
         Host work grows with the batch and the step's query tokens, not with the context: slot lists are
         gathered from the device slot table (see slot_table.py)."""
@@ -117,14 +122,14 @@ class Runner:
         rows = [self.table.row(item.request) for item in items]
         starts = np.fromiter((item.first_position for item in items), np.int64, count)
         lengths = np.fromiter((item.num_query_tokens for item in items), np.int64, count)
-        cu_seqlens_q = _offsets(lengths)
+        cu_seqlens_q = offsets(lengths)
         total = int(cu_seqlens_q[-1])
         owner = np.repeat(np.arange(count), lengths)  # each query token's request
         positions = starts[owner] + np.arange(total) - cu_seqlens_q[owner]
         # One transfer for the step's per-token inputs: slot-table rows, offsets (and token ids). A position is
         # its request's computed count on the device plus its offset past it; the slot is the table's.
-        offsets = positions - np.fromiter((_device_computed(item) for item in items), np.int64, count)[owner]
-        columns = [np.asarray(rows, dtype=np.int64)[owner], offsets]
+        past_computed = positions - np.fromiter((_device_computed(i) for i in items), np.int64, count)[owner]
+        columns = [np.asarray(rows, dtype=np.int64)[owner], past_computed]
         if input_ids is None:
             tokens = itertools.chain.from_iterable(item.query_token_ids() for item in items)
             columns.append(np.fromiter(tokens, np.int64, total))
@@ -138,8 +143,10 @@ class Runner:
         full = rows[num_drafts:], [0] * (len(rows) - num_drafts), ends[num_drafts:]
         # A sliding-window layer reads only the entries some query of this step can still see.
         windowed = {w: (rows, [max(0, start - w + 1) for start in starts], ends) for w in self.windows}
-        draft_shifts, full_shifts = (None, None) if shifts is None else (shifts[:num_drafts], shifts[num_drafts:])
-        draft, draft_lists = self._draft_views(plan.scheduled[:num_drafts], draft_shifts)
+        full_shifts = None if shifts is None else shifts[num_drafts:]
+        draft, draft_lists = {}, None
+        if lists is not None:
+            draft, draft_lists = self._layer_views(lists.forward(0, num_drafts)), lists.view.kv_indices
         full_view = self._view(*full, full_shifts)
         mass, mass_layers = None, {}
         if any(scored) and self.sparse_heads:
@@ -192,45 +199,40 @@ class Runner:
         most = min(self.policy.config.k + 1, self.max_scored_queries)
         return [min(item.num_query_tokens, most) if item.samples and item.learns else 0 for item in items]
 
-    def _draft_views(
-        self, items: Sequence[ScheduledRequest], shifts: torch.Tensor | None
-    ) -> tuple[dict[int, KVView], torch.Tensor | None]:
-        """Per sparse layer, each draft request's per-KV-head slot lists (its policy's positions, as slots),
-        and the stacked lists ``[layers, Hkv, N]`` the views slice."""
-        if not items or self.policy.selects_in_attention:
-            return {}, None
-        requests = [item.request for item in items]
-        rows = np.fromiter((self.table.row(request) for request in requests), np.int64, len(requests))
-        positions = np.fromiter((item.first_position for item in items), np.int64, len(items))
-        view, _ = self._policy_lists(requests, rows, positions, shifts)  # [layers, Hkv, N]
-        return self._layer_views(view), view.kv_indices
-
-    def _policy_lists(
-        self,
-        requests: Sequence[Request],
-        rows: np.ndarray,
-        positions: np.ndarray,
-        shifts: torch.Tensor | None = None,
-        owner: np.ndarray | None = None,
-    ) -> tuple[KVView, list[int]]:
-        """The lists the policy fixes for draft forwards (see ``_draft_lists``): entry ``e`` is the draft of
-        ``requests[owner[e]]`` (slot-table row ``rows[e]``) at ``positions[e]``; ``owner`` None: entry ``e`` is
-        request ``e``'s. Entries of one request come in forward order, its first one first."""
-        owner = np.arange(len(requests)) if owner is None else owner
-        if self.policy.positions_fixed_per_round:  # asked once per request (at its first entry), read by each
-            asked = int(owner.max()) + 1  # the requests with entries: a prefix, their first entries in order
-            queries = zip(requests[:asked], positions[:asked].tolist(), strict=True)
-            which = owner
-        else:
-            queries = ((requests[o], p) for o, p in zip(owner.tolist(), positions.tolist(), strict=True))
-            which = np.arange(len(owner))
-        chosen = [self.policy.draft_positions(request, position) for request, position in queries]
-        fixed, recent = zip(*chosen, strict=True)
-        recent_from = np.asarray(recent, dtype=np.int64)[which]
+    def _round_lists(
+        self, drafts: Sequence[ScheduledRequest], rows: Sequence[int], shifts: torch.Tensor | None
+    ) -> RoundLists | None:
+        """The lists every draft forward of the step reads (see ``draft_lists``), the policy asked once per
+        request, at its first draft; None without drafts or where the policy selects inside attention.
+        ``shifts`` (device, per draft; see ``_shifts``): a round launched ahead really starts that many positions
+        earlier, so each forward's list ends that much earlier, and fixed positions past the first draft's true
+        position are padding (K/V there is not this round's yet; the recent run covers what the later drafts
+        see of it)."""
+        if not drafts or self.policy.selects_in_attention:
+            return None
+        requests, count = [item.request for item in drafts], len(drafts)
+        firsts = np.fromiter((item.first_position for item in drafts), np.int64, count)
+        chains = np.fromiter((item.chain for item in drafts), np.int64, count)
+        asked = (self.policy.draft_positions(r, p) for r, p in zip(requests, firsts.tolist(), strict=True))
+        fixed, recent = zip(*asked, strict=True)
+        recent_from = np.asarray(recent, dtype=np.int64)
         if shifts is not None:  # a round launched ahead reads at least every position since the committed ones
-            computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, len(requests))
-            recent_from = np.minimum(recent_from, computed[owner])
-        return self._draft_lists(rows, positions, fixed, which, recent_from, shifts)
+            computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, count)
+            recent_from = np.minimum(recent_from, computed)
+        shape = (len(self.policy.sparse_layers), self.policy.num_kv_heads)
+        limit = None if shifts is None else self._tensor(firsts) - shifts
+        view, indptr = build_lists(
+            self.table, shape, np.asarray(rows, np.int64), firsts + chains - 1, fixed, np.arange(count), recent_from,
+            limit,
+        )  # fmt: skip
+        # Forward j's list ends at draft j: its chain's drafts after j left off (past its chain: empty).
+        forward = np.arange(chains.max())[:, None]
+        active = forward < chains
+        ends = np.where(active, indptr[1:] - (chains - 1 - forward), indptr[:-1])
+        if shifts is None:
+            return RoundLists(view, self._tensor(ends))
+        sent = self._tensor(np.stack([ends, active]))
+        return RoundLists(view, sent[0] - sent[1] * shifts)
 
     def _layer_views(self, view: KVView) -> dict[int, KVView]:
         """Each sparse layer's view of stacked draft lists ``[layers, Hkv, N]``."""
@@ -241,62 +243,10 @@ class Runner:
                 view.kv_indptr,
                 lists if self.num_kv_heads[layer] == width else lists[: self.num_kv_heads[layer]],
                 view.max_len,
+                view.kv_ends,
             )
             for layer, lists in zip(self.policy.sparse_layers, per_layer, strict=True)
         }
-
-    def _draft_lists(
-        self,
-        rows: np.ndarray,
-        positions: np.ndarray,
-        fixed: Sequence[torch.Tensor],
-        which: np.ndarray,
-        recent_from: np.ndarray | None,
-        shifts: torch.Tensor | None = None,
-    ) -> tuple[KVView, list[int]]:
-        """Per-KV-head slot lists of draft forwards (``[layers, Hkv, N]``, or ``[Hkv, N]`` for one layer's
-        selection), built for all of them at once on the device, in a few launches whatever the batch: the
-        draft of slot-table row ``rows[j]`` at ``positions[j]`` reads the positions of ``fixed[which[j]]``
-        (``[n]`` or ``[..., Hkv, n]``; -1 stays padding; each tensor is sent once, however many drafts read it)
-        and, when ``recent_from`` is given, every position from ``recent_from[j]`` to ``positions[j]``.
-        ``shifts`` (device, per draft; None: none): draft j really sits at ``positions[j] - shifts[j]`` (a round
-        launched ahead), and what its list holds past that position becomes padding. Also returns the offsets
-        (host), to slice the lists per forward of a draft chain."""
-        num_layers, num_heads = len(self.policy.sparse_layers), self.policy.num_kv_heads
-        shape = (num_heads,) if fixed[0].dim() == 2 else (num_layers, num_heads)
-        # The offsets are NumPy over all entries (a chain's lists at batch 256 hold 1,792 of them).
-        sources = [f.expand(*shape, -1) if f.dim() == 1 else f for f in fixed]
-        source_starts = _offsets(np.fromiter((f.shape[-1] for f in sources), np.int64, len(sources)))
-        fixed_lengths = np.diff(source_starts)[which]
-        ends = positions + 1
-        first_recent = ends if recent_from is None else recent_from  # None: no run
-        recent_lengths = ends - first_recent
-        lengths = fixed_lengths + recent_lengths
-        indptr, fixed_starts, recent_starts = _offsets(lengths), _offsets(fixed_lengths), _offsets(recent_lengths)
-        meta = self._tensor(
-            np.stack([rows, lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1],
-                      recent_lengths, recent_starts[:-1], first_recent, source_starts[which]])
-        )  # fmt: skip
-        row, length, start, fixed_length, fixed_start, recent_length, recent_start, first_recent, source_start = meta
-        total, total_fixed, total_recent = int(indptr[-1]), int(fixed_starts[-1]), int(recent_starts[-1])
-        positions = torch.empty(*shape, total, dtype=torch.int64, device=self.device)
-        owner = self._owners(fixed_length, total_fixed)
-        local = torch.arange(total_fixed, device=self.device) - fixed_start[owner]
-        source = torch.cat(sources, dim=-1).to(self.device, torch.int64)  # a policy keeps one device and dtype
-        positions[..., start[owner] + local] = source[..., source_start[owner] + local]
-        owner = self._owners(recent_length, total_recent)
-        local = torch.arange(total_recent, device=self.device) - recent_start[owner]
-        positions[..., start[owner] + fixed_length[owner] + local] = first_recent[owner] + local
-        entry_rows = torch.repeat_interleave(row, length, output_size=total)
-        if shifts is not None:  # nothing past the draft's own position (K/V there is not this round's yet)
-            last = (self._tensor(ends - 1) - shifts).repeat_interleave(length, output_size=total)
-            positions = torch.where(positions > last, -1, positions)
-        kv_view = KVView(self._tensor(indptr), self.table.lookup(entry_rows, positions), int(lengths.max()))
-        return kv_view, indptr.tolist()
-
-    def _owners(self, lengths: torch.Tensor, total: int) -> torch.Tensor:
-        """For each of ``total`` concatenated entries, the index of the request it belongs to."""
-        return torch.repeat_interleave(torch.arange(len(lengths), device=self.device), lengths, output_size=total)
 
     def _draft_selector(self, items: Sequence[ScheduledRequest]):
         """For query-aware policies: pick each draft request's lists from the layer's own draft queries."""
@@ -313,7 +263,8 @@ class Runner:
                 positions.append(chosen.to(self.device))
             rows = np.fromiter((self.table.row(item.request) for item in items), np.int64, len(items))
             firsts = np.fromiter((item.first_position for item in items), np.int64, len(items))
-            return self._draft_lists(rows, firsts, positions, np.arange(len(items)), None)[0]
+            shape = (self.num_kv_heads[layer],)
+            return build_lists(self.table, shape, rows, firsts, positions, np.arange(len(items)), None)[0]
 
         return select
 
@@ -352,15 +303,16 @@ class Runner:
         drafts = plan.scheduled[: plan.num_drafts]
         shifts = self._shifts(plan.scheduled)
         draft_shifts = None if shifts is None else shifts[: len(drafts)]
-        input_ids, position_ids, metadata = self.build_metadata(plan, shifts=shifts)
+        draft_rows = [self.table.row(item.request) for item in drafts]  # their slot-table and store rows
+        lists = self._round_lists(drafts, draft_rows, draft_shifts)
+        input_ids, position_ids, metadata = self.build_metadata(plan, shifts=shifts, lists=lists)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
         self._learn_from_verify(plan, metadata)
-        draft_rows = [self.table.row(item.request) for item in drafts]  # their slot-table and store rows
         sampling = self._draft_sampling(drafts, draft_rows, logits.shape[-1], draft_shifts)
         picks = self._pick(plan, logits, first_row, sampling=sampling, shifts=shifts)
         self._advance(plan, picks)
         chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
-        later, chain_span = self._later_drafts(drafts, draft_rows, chain[0], sampling, draft_shifts)
+        later, chain_span = self._later_drafts(drafts, draft_rows, chain[0], sampling, lists)
         chain += later
         parts = [*picks.parts(), *chain[1:]]
         verify = self._verify_rounds(drafts, chain, draft_shifts)
@@ -473,13 +425,13 @@ class Runner:
         draft_rows: Sequence[int],
         first: torch.Tensor,
         sampling: DraftSampling | None,
-        shifts: torch.Tensor | None,
+        lists: RoundLists | None,
     ) -> tuple[list[torch.Tensor], _Span | None]:
         """The tokens of the later forwards of the step's draft chains (forward j holds the drafts whose chain
         is longer than j: a prefix, as drafts are sorted longest chain first), each forward fed the previous
-        one's tokens on the device. Their slots and draft lists are built together (one slot-table lookup and
-        one list build for all forwards); then the chain graphs replay them where they can, else one forward
-        per draft runs with its own selection. Also the span of those forwards alone, back to back: what one
+        one's tokens on the device. Their slots are looked up together and they read the round's ``lists``;
+        then the chain graphs replay them where they can, else one forward per draft runs with its own
+        selection. Also the span of those forwards alone, back to back: what one
         more draft costs a round (the round length's measure; None without later forwards)."""
         longest = max((item.chain for item in drafts), default=1)
         if longest == 1:
@@ -496,21 +448,16 @@ class Runner:
         sent = self._tensor(np.stack([entry_positions - computed, entry_rows]))  # offsets past computed, rows
         entry_positions_t = self.table.computed[sent[1]] + sent[0]
         layout = torch.stack([entry_positions_t, self.table.slots[sent[1], entry_positions_t]])  # positions, slots
-        lists, offsets = None, None
-        if not self.policy.selects_in_attention:
-            entry_shifts = None if shifts is None else shifts[self._tensor(owner)]
-            requests = [item.request for item in drafts]
-            lists, offsets = self._policy_lists(requests, entry_rows, entry_positions, entry_shifts, owner)
         # Sampled once per forward from the round's columns: the chain graph's ops, or the same ops per forward.
         if self._chain_graph_runs(draft_rows):
-            inputs = self._chain_inputs(counts, first, layout, lists, offsets, sampling)
+            inputs = self._chain_inputs(counts, first, layout, lists, sampling)
             span = _Span(self.device)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
             span.stop()
             return [tokens[j, :count] for j, count in enumerate(counts)], span
         max_list_len = self._max_list_len(drafts)
         chain = [first]
-        metadata = self._chain_metadata(drafts, counts, layout, lists, offsets)
+        metadata = self._chain_metadata(drafts, counts, layout, lists)
         span = _Span(self.device)
         for forward, (count, position_ids, forward_metadata) in enumerate(metadata, start=1):
             logits = self._logits(
@@ -530,32 +477,26 @@ class Runner:
         counts: Sequence[int],
         first: torch.Tensor,
         layout: torch.Tensor,
-        lists: KVView,
-        offsets: list[int],
+        lists: RoundLists,
         sampling: DraftSampling,
     ) -> ChainInputs:
-        """The round's chain inputs (see ``ChainInputs``) for its draft requests, sent in one copy; the positions
-        and slots are the chain ``layout`` (``[2, forwards' requests]``, already on the device) spread into one
-        row per later forward."""
+        """The round's chain inputs (see ``ChainInputs``) for its draft requests; the positions and slots are the
+        chain ``layout`` (``[2, forwards' requests]``, already on the device) spread into one row per later
+        forward."""
         count, later = first.shape[0], len(counts)
-        targets, indptr = [], []  # each layout entry's place in the [later, count] grid; per-forward offsets
-        start = 0
-        for j, active in enumerate(counts):
-            targets += range(j * count, j * count + active)
-            end = start + active
-            indptr += offsets[start:end] + [offsets[end]] * (count + 1 - active)
-            start = end
-        targets_t, indptr_t = self._tensor([*targets, *indptr]).split([len(targets), later * (count + 1)])
+        # Each layout entry's place in the [later, count] grid.
+        targets = self._tensor([j * count + i for j, active in enumerate(counts) for i in range(active)])
         grid = layout.new_zeros(2, later * count)  # padding: position 0, the scratch slot
         grid[1] = self.pool.scratch_slot
-        grid[:, targets_t] = layout
+        grid[:, targets] = layout
         return ChainInputs(
             first_tokens=first,
             positions=grid[0].view(later, count),
             slots=grid[1].view(later, count),
-            indptr=indptr_t.view(later, count + 1),
-            lists=lists.kv_indices,
-            max_list_len=lists.max_len,
+            indptr=lists.view.kv_indptr,
+            ends=lists.ends[1:],
+            lists=lists.view.kv_indices,
+            max_list_len=lists.view.max_len,
             sampling=sampling,
         )
 
@@ -564,12 +505,12 @@ class Runner:
         drafts: Sequence[ScheduledRequest],
         counts: Sequence[int],
         layout: torch.Tensor,
-        lists: KVView | None,
-        offsets: list[int] | None,
+        lists: RoundLists | None,
     ) -> Iterator[tuple[int, torch.Tensor, AttentionMetadata]]:
         """Request count, positions and metadata of each later forward of the step's draft chains: views into
-        the lists and layout built for all of them. Forward j's draft requests (the first ``counts[j - 1]``) are
-        advanced along their chains only for what reads them per request: sliding windows, query-aware lists."""
+        the round's lists and the layout built for all of them. Forward j's draft requests (the first
+        ``counts[j - 1]``) are advanced along their chains only for what reads them per request: sliding windows,
+        query-aware lists."""
         counting = torch.arange(len(drafts) + 1, device=self.device)
         no_verifies = KVView(counting[:1], counting[:0], 0)
         per_request = bool(self.windows) or self.policy.selects_in_attention
@@ -579,11 +520,7 @@ class Runner:
             items = [item.advanced(forward) for item in drafts[:count]] if per_request else []
             draft, draft_lists = {}, None
             if lists is not None:
-                first, last = offsets[start], offsets[end]
-                indptr = lists.kv_indptr[start : end + 1] - first
-                max_len = max(b - a for a, b in itertools.pairwise(offsets[start : end + 1]))
-                draft_lists = lists.kv_indices[..., first:last]
-                draft = self._layer_views(KVView(indptr, draft_lists, max_len))
+                draft, draft_lists = self._layer_views(lists.forward(forward, count)), lists.view.kv_indices
             windowed = {
                 w: self._view(
                     [self.table.row(i.request) for i in items],
@@ -972,11 +909,6 @@ def _device_computed(item: ScheduledRequest) -> int:
     """The request's computed count on the device when the step runs: the host's, plus what the step in flight
     computes before it (``ahead``)."""
     return item.request.num_computed_tokens + item.ahead
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    """Start offsets of consecutive pieces of ``lengths`` items, and the total at the end."""
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
 def _split(values: list[int], sizes: Sequence[int]) -> list[list[int]]:

@@ -14,6 +14,7 @@ dense SDPA over the repeat-interleaved K/V with an explicit boolean position mas
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -467,6 +468,37 @@ def test_fused_launch_of_drafts_only(impl):
         torch.zeros(0, dtype=torch.int64), batch.scale, max_q_len=0, max_kv_len=0, first_lists=first,
     )  # fmt: skip
     _check((out, lse), expected_drafts)
+
+
+def _with_hidden_tails(indptr: torch.Tensor, indices: torch.Tensor, extra: int, g: torch.Generator):
+    """``indices`` with ``extra`` random pool slots after each request's list, its new indptr, and the ends that
+    hide them again."""
+    lists = [indices[..., a:b] for a, b in itertools.pairwise(indptr.tolist())]
+    tails = [torch.randint(0, int(indices.max()) + 1, (*lst.shape[:-1], extra), generator=g) for lst in lists]
+    grown = torch.cat([torch.cat([lst, tail], dim=-1) for lst, tail in zip(lists, tails, strict=True)], dim=-1)
+    lengths = torch.tensor([lst.shape[-1] + extra for lst in lists])
+    new_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return new_indptr, grown, new_indptr[:-1] + lengths - extra
+
+
+@pytest.mark.parametrize("num_splits", [None, (2, 3)])
+def test_list_ends_read_a_prefix_of_each_list(impl, num_splits):
+    """``kv_ends`` (and ``FirstLists.kv_ends``): a request reads its list only up to its end, and the causal mask
+    is relative to that end, so entries past it (here, slots of other tokens) change nothing: how a draft round's
+    forwards read growing prefixes of one list per request."""
+    if num_splits is not None and impl is IMPLEMENTATIONS["reference"]:
+        pytest.skip("split counts are a kernel launch choice")
+    batch, full_indptr, full_indices, first, expected_drafts, expected_full = _fused_batch()
+    g = torch.Generator().manual_seed(41)
+    draft_indptr, draft_indices, draft_ends = _with_hidden_tails(first.kv_indptr, first.kv_indices, 7, g)
+    indptr, indices, ends = _with_hidden_tails(full_indptr, full_indices, 5, g)
+    hints = {} if num_splits is None else {"num_splits": num_splits}
+    out, lse = batch.run(
+        impl, indptr, indices, kv_ends=ends, first_lists=FirstLists(2, draft_indptr, draft_indices, kv_ends=draft_ends),
+        **hints,
+    )  # fmt: skip
+    _check((out[:2], lse[:2]), expected_drafts)
+    _check((out[2:], lse[2:]), expected_full)
 
 
 @pytest.mark.parametrize("num_splits", [(1, 3), (2, 1), (3, 5)])

@@ -188,9 +188,9 @@ def test_rounds_ahead_draft_over_the_whole_recent_window(monkeypatch):
     )  # fmt: skip
     assert wrapped.engine.rounds_ahead
     runner, lists = wrapped.engine.runner, []
-    draft_lists, lookup = runner._draft_lists, runner.table.lookup
+    round_lists, lookup = runner._round_lists, runner.table.lookup
 
-    def spy_draft_lists(rows, positions, fixed, which, recent_from, shifts=None):
+    def spy_round_lists(drafts, rows, shifts):
         seen = {}
 
         def spy_lookup(entry_rows, entry_positions):
@@ -198,15 +198,22 @@ def test_rounds_ahead_draft_over_the_whole_recent_window(monkeypatch):
             return lookup(entry_rows, entry_positions)
 
         monkeypatch.setattr(runner.table, "lookup", spy_lookup)
-        view, offsets = draft_lists(rows, positions, fixed, which, recent_from, shifts)
+        built = round_lists(drafts, rows, shifts)
         monkeypatch.setattr(runner.table, "lookup", lookup)
-        shift = [0] * len(positions) if shifts is None else shifts.tolist()
-        for j, (position, behind) in enumerate(zip(positions.tolist(), shift, strict=True)):
-            entries = seen["positions"][offsets[j] : offsets[j + 1]].tolist()
-            lists.append((position - behind, [p for p in entries if p >= 0], shifts is not None))
-        return view, offsets
+        if built is None:
+            return built
+        starts = built.view.kv_indptr.tolist()
+        behind = [0] * len(drafts) if shifts is None else shifts.tolist()
+        for j, forward_ends in enumerate(built.ends.tolist()):  # forward j reads a prefix of each request's list
+            for item, start, end, shift in zip(drafts, starts, forward_ends, behind, strict=False):
+                if j < item.chain:  # its list ends with its own true position
+                    entries = [p for p in seen["positions"][start:end].tolist() if p >= 0]
+                    position = item.first_position + j - shift
+                    assert entries[-1] == position, f"draft at {position} reads up to {entries[-1]}"
+                    lists.append((position, entries, shifts is not None))
+        return built
 
-    monkeypatch.setattr(runner, "_draft_lists", spy_draft_lists)
+    monkeypatch.setattr(runner, "_round_lists", spy_round_lists)
     wrapped.generate(**BATCH.kwargs(), max_new_tokens=40, do_sample=False)
     assert any(ahead for *_, ahead in lists), "no round was launched ahead"
     for position, entries, _ in lists:

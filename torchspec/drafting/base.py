@@ -33,9 +33,6 @@ class DraftPolicy:
     selects_in_attention: ClassVar[bool] = False
     #: Draft steps report the entropy of their distribution (``request.round.entropies``).
     uses_draft_entropy: ClassVar[bool] = False
-    #: ``draft_positions`` answers the same for every draft of a round (the runner then asks once per request
-    #: and round, not once per draft: at batch 256 and k = 8, 256 calls where 2,048 cost the host ~2 ms).
-    positions_fixed_per_round: ClassVar[bool] = False
 
     def __init__(self, config: SpecConfig, layers: Sequence[LayerSpec]) -> None:
         self.config = config
@@ -72,11 +69,12 @@ class DraftPolicy:
         raise NotImplementedError
 
     def draft_positions(self, request: Request, position: int) -> tuple[torch.Tensor, int]:
-        """What the draft step at ``position`` attends to: positions fixed for the round (``[n]`` shared by all
-        sparse layers and KV heads, or ``[len(sparse_layers), num_kv_heads, n]``, -1 = padding, kept on the
-        device where the policy made them) and the first of the recent positions: the step also attends to
-        every position from it to ``position`` itself. Split so the runner appends the recent run for all
-        requests at once, on the device."""
+        """What the round's drafts attend to, asked once per round at its first draft (``position``): positions
+        fixed for the round (``[n]`` shared by all sparse layers and KV heads, or
+        ``[len(sparse_layers), num_kv_heads, n]``, -1 = padding, kept on the device where the policy made them)
+        and the first of the recent positions: each draft also attends to every position from it to its own.
+        Split so the runner builds one list per request and round on the device, of which each draft reads a
+        prefix (``torchspec.draft_lists``)."""
         raise NotImplementedError
 
     def select_positions(

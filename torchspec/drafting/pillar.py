@@ -24,7 +24,6 @@ class PillarPolicy(DraftPolicy):
 
     name = "pillar"
     uses_verify_scores = True
-    positions_fixed_per_round = True  # the verify's pattern and recent start, whatever the draft's position
     #: Fraction of the older budget (after sinks) the verify Top-K takes; a subclass may leave the rest to
     #: another selection (PillarQuest: Quest pages chosen by the round's first draft query).
     verify_share: ClassVar[float] = 1.0

@@ -9,7 +9,8 @@ from torchspec.request import Request
 
 
 class StreamingPolicy(DraftPolicy):
-    """The first ``num_sinks`` tokens and a window of the latest ones; the same for every layer and head."""
+    """The first ``num_sinks`` tokens and a window of the latest ones; the same for every layer and head. The
+    window is the round's first draft's: a later draft of the round also reads the drafts before it."""
 
     name = "streaming"
 

@@ -1,0 +1,92 @@
+"""Draft lists: the KV slots sparse draft forwards read, built on the device for a whole round at once.
+
+A request's drafts of one round (forwards 0 .. chain - 1 of its chain) share one list: the positions its policy
+fixes for the round (PillarAttn's picks from the last verify, -1 = padding), then the recent run from the
+policy's recent start up to the chain's last draft. Forward j reads the prefix that ends at its own position
+(a list ends with the query's own token: the causal rule of ``attention.reference``), up to ``ends[j]``. One
+list per request and round, where one per draft repeated the fixed part: at W1's full batch (256 requests,
+k = 8, 30 layers x 3 KV heads) that built, looked up and copied ~42M entries a round, ~4 ms of GPU time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from torchspec.hf import KVView
+from torchspec.slot_table import SlotTable
+from torchspec.transfer import to_device
+
+
+@dataclass
+class RoundLists:
+    """The draft lists of a step's ``D`` draft requests for every forward of their chains."""
+
+    view: KVView  # lists [sparse layers, Hkv, N] (or [Hkv, N]), one per request; max_len: the longest
+    ends: torch.Tensor  # [longest chain, D]: forward j's end of each list (its start past the request's chain)
+
+    def forward(self, j: int, count: int) -> KVView:
+        """What forward ``j`` of the first ``count`` requests reads."""
+        view = self.view
+        return KVView(view.kv_indptr[: count + 1], view.kv_indices, view.max_len, self.ends[j, :count])
+
+
+def build_lists(
+    table: SlotTable,
+    shape: tuple[int, ...],
+    rows: np.ndarray,
+    last_positions: np.ndarray,
+    fixed: Sequence[torch.Tensor],
+    which: np.ndarray,
+    recent_from: np.ndarray | None,
+    fixed_limit: torch.Tensor | None = None,
+) -> tuple[KVView, np.ndarray]:
+    """Per-KV-head slot lists (``[*shape, N]``: ``[layers, Hkv, N]``, or ``[Hkv, N]`` for one layer's
+    selections), built in a few launches whatever the batch: list ``j`` (slot-table row ``rows[j]``)
+    holds the positions of ``fixed[which[j]]`` (``[n]`` or ``[..., Hkv, n]``; each tensor is sent once, however
+    many lists read it), those above ``fixed_limit[j]`` (device; None: none) made padding, then when
+    ``recent_from`` is given every position from ``recent_from[j]`` to ``last_positions[j]``. Also returns the
+    lists' offsets (host)."""
+    device = table.device
+    sources = [f.expand(*shape, -1) if f.dim() == 1 else f for f in fixed]
+    source_starts = offsets(np.fromiter((f.shape[-1] for f in sources), np.int64, len(sources)))
+    fixed_lengths = np.diff(source_starts)[which]
+    ends = last_positions + 1
+    first_recent = ends if recent_from is None else recent_from  # None: no run
+    recent_lengths = ends - first_recent
+    lengths = fixed_lengths + recent_lengths
+    indptr, fixed_starts, recent_starts = offsets(lengths), offsets(fixed_lengths), offsets(recent_lengths)
+    meta = to_device(
+        np.stack([rows, lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1],
+                  recent_lengths, recent_starts[:-1], first_recent, source_starts[which]]),
+        device,
+    )  # fmt: skip
+    row, length, start, fixed_length, fixed_start, recent_length, recent_start, first_recent, source_start = meta
+    total, total_fixed, total_recent = int(indptr[-1]), int(fixed_starts[-1]), int(recent_starts[-1])
+    positions = torch.empty(*shape, total, dtype=torch.int64, device=device)
+    owner = _owners(fixed_length, total_fixed)
+    local = torch.arange(total_fixed, device=device) - fixed_start[owner]
+    source = torch.cat(sources, dim=-1).to(device, torch.int64)  # a policy keeps one device and dtype
+    picked = source[..., source_start[owner] + local]
+    if fixed_limit is not None:  # nothing past the limit (K/V there is not this round's yet)
+        picked = torch.where(picked > fixed_limit[owner], -1, picked)
+    positions[..., start[owner] + local] = picked
+    owner = _owners(recent_length, total_recent)
+    local = torch.arange(total_recent, device=device) - recent_start[owner]
+    positions[..., start[owner] + fixed_length[owner] + local] = first_recent[owner] + local
+    entry_rows = torch.repeat_interleave(row, length, output_size=total)
+    view = KVView(to_device(indptr, device), table.lookup(entry_rows, positions), int(lengths.max()))
+    return view, indptr
+
+
+def _owners(lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """For each of ``total`` concatenated entries, the index of the list it belongs to."""
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=total)
+
+
+def offsets(lengths: np.ndarray) -> np.ndarray:
+    """Start offsets of consecutive pieces of ``lengths`` items, and the total at the end."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
