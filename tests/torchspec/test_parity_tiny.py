@@ -24,6 +24,7 @@ from tests.torchspec.conftest import (
     tiny_spec,
 )
 from torchspec import sparsespec
+from torchspec.request import SamplingParams
 from torchspec.runner import LaunchedStep
 from torchspec.scheduler import StepPlan
 
@@ -237,6 +238,61 @@ def test_eos_stops_every_row(spec, options, hf_reference):
     assert_same_tokens(expected, actual, spec, batch)
     assert_no_slot_leak(wrapped)
     assert all(row[-1] in eos for row in generated_rows(actual, batch, eos))
+
+
+# -- repetition penalty and min_p -------------------------------------------------------------------------------
+DENSE = {"draft": "pillar_recent"}  # min_budget 128 covers every context: each draft is the target's own forward
+# (wrap options, whether every draft is accepted: drafts reading every position, else some are rejected)
+PENALTY_DRAFTS = [
+    pytest.param({}, None, id="no-draft"),
+    pytest.param({"draft": "pillar_recent", "min_budget": 8, "sparsity": 0.1}, False, id="sparse"),
+    pytest.param(DENSE, True, id="dense"),
+    pytest.param(DENSE | {"draft_chain": False}, True, id="dense-stepwise"),
+    pytest.param(DENSE | {"cuda_graphs": True}, True, id="dense-graphs"),
+    pytest.param(DENSE | {"delayed_verify": True}, True, id="dense-delayed"),
+    pytest.param({"draft": "ngram"}, False, id="ngram"),
+]
+PENALTY_OPTIONS = [
+    pytest.param({"repetition_penalty": 1.3}, id="penalty1.3"),
+    pytest.param({"repetition_penalty": 0.7}, id="penalty0.7"),  # below 1: repeats favoured
+    pytest.param({"repetition_penalty": 1.3, "min_p": 0.1}, id="penalty1.3-min_p0.1"),  # min_p: greedy ignores it
+]
+
+
+@pytest.mark.parametrize("options", PENALTY_OPTIONS)
+@pytest.mark.parametrize(("draft", "all_accepted"), PENALTY_DRAFTS)
+def test_repetition_penalty_matches_transformers(draft, all_accepted, options, hf_reference):
+    """A repetition penalty penalises the prompt and every token so far, as transformers does, whatever drafts:
+    with a draft reading every position (chained, one per step, from the chain's padded graph path, or launched
+    ahead of the round in flight) every draft is accepted, so each draft forward penalised what its verify row
+    did (the round's earlier drafts included)."""
+    spec = ARCH_SPECS[0]
+    expected = hf_reference(spec, BATCH, max_new_tokens=MAX_NEW_TOKENS, **options)
+    plain = hf_reference(spec, BATCH, max_new_tokens=MAX_NEW_TOKENS)
+    assert not torch.equal(expected, plain), "the penalty does not change transformers' output: test is vacuous"
+    wrapped, actual = _run(spec, BATCH, draft, **options)
+    assert_same_tokens(expected, actual, spec, BATCH)
+    assert_no_slot_leak(wrapped)
+    stats = wrapped.last_stats
+    if all_accepted is not None:
+        assert stats.num_draft_tokens > 0
+        assert (stats.num_accepted_tokens == stats.num_draft_tokens) is all_accepted, stats.accepted_histogram
+
+
+def test_per_request_penalties_match_transformers(hf_reference):
+    """Requests of one batch with their own penalties each get transformers' tokens for their own value."""
+    spec, penalties = ARCH_SPECS[0], (1.3, 1.0, 0.7, 2.0)
+    wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=KV_CAPACITY)
+    requests = [
+        wrapped.engine.new_request(i, prompt, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=value))
+        for i, (prompt, value) in enumerate(zip(BATCH.prompts, penalties, strict=True))
+    ]
+    stats = wrapped.engine.run(requests)
+    for i, (request, value) in enumerate(zip(requests, penalties, strict=True)):
+        expected = hf_reference(spec, BATCH, max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=value)
+        assert request.output_ids == generated_rows(expected, BATCH)[i], f"request {i} (penalty {value})"
+    assert stats.num_rounds > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_no_slot_leak(wrapped)
 
 
 # -- KV capacity ---------------------------------------------------------------------------------------------
