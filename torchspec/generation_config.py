@@ -158,7 +158,10 @@ def resolve_generation_config(
             "pass e.g. num_return_sequences=4 with do_sample=True"
         )
     eos = config.eos_token_id
-    eos_token_ids = () if eos is None else tuple(int(t) for t in ([eos] if isinstance(eos, int) else eos))
+    listed = () if eos is None else (int(t) for t in ([eos] if isinstance(eos, int) else eos))
+    # A negative id is no token: transformers' generate_batch writes -1 ("no EOS") into the config it runs on (the
+    # one passed, else the model's), and generate never stops on one. Kept, it would index the logits at -1.
+    eos_token_ids = tuple(t for t in listed if t >= 0)
     pad_token_id = config.pad_token_id
     if pad_token_id is None and eos_token_ids:
         warnings.warn(

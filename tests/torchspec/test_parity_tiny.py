@@ -417,3 +417,23 @@ def test_generate_batch_reports_a_bad_prompt_under_its_request_id(transformers_c
     assert [o.generated_tokens for o in good] == transformers_cb[1]
     assert all(o.error is None and o.status == RequestStatus.FINISHED for o in good)
     assert_no_slot_leak(wrapped)
+
+
+def test_a_config_with_eos_minus_one_generates(transformers_cb):
+    """transformers' ``generate_batch`` writes ``eos_token_id=-1`` ("no EOS") into a config that has none; a client
+    passing that config on (or a list holding -1) generates on the wrapper, with speculation and sampling, and
+    never stops at -1: transformers' greedy tokens, every row to ``max_new_tokens``."""
+    config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    with torch.inference_mode():
+        tiny_spec("llama").build().generate_batch(
+            CB_BATCH.prompts[:1], generation_config=config, continuous_batching_config=SMALL_CB, progress_bar=False
+        )
+    assert config.eos_token_id == -1, "transformers no longer writes -1: this test no longer shows the case"
+    wrapped = sparsespec.wrap(tiny_spec("llama").build(), kv_capacity_tokens=KV_CAPACITY)
+    outputs = wrapped.generate_batch(CB_BATCH.prompts, generation_config=config, progress_bar=False)
+    assert [o.generated_tokens for o in outputs.values()] == transformers_cb[1]
+    sequences = wrapped.generate(**CB_BATCH.kwargs(), generation_config=config, eos_token_id=[-1])
+    assert generated_rows(sequences, CB_BATCH) == transformers_cb[1]
+    sampled = wrapped.generate_batch(CB_BATCH.prompts, generation_config=config, do_sample=True, progress_bar=False)
+    assert all(o.finish_reason == "length" for o in sampled.values())
+    assert_no_slot_leak(wrapped)
