@@ -3,14 +3,14 @@
 A round's k draft forwards each cost the host a metadata build, a graph-input fill, token selection and a
 launch: hundreds of tensor ops per round, which at batch 256 (and even at batch 1) take longer than the GPU
 work they launch. Here forward j (2..k) of every chain in a bucket of ``D'`` requests is captured once as its
-own graph, together with what happens after it on the device (stop tokens forbidden below
-``min_new_tokens``, temperature, top-k, top-p, the draw, the draft distribution kept for the verify). The
-host writes the round's inputs into the bucket's buffers once (positions, slots, the round's draft lists: one
-per request, of which each forward reads a prefix up to its own ends; the sampling columns) and replays the
-graph once per forward the round has, back to back: a round of 6 drafts runs 5 later forwards, not k - 1. One
-graph serves every forward: it reads which one it runs from a device counter (its rows of the round's buffers,
-its sampling column) and advances it, so a bucket captures once where a graph per forward captured k - 1 times
-(W1 on the H200: ~170 captures of ~75 ms each, most of them chain forwards).
+own graph, together with what happens after it on the device (the repetition penalty, stop tokens forbidden
+below ``min_new_tokens``, temperature, top-k, top-p, min-p, the draw, the draft distribution kept for the
+verify). The host writes the round's inputs into the bucket's buffers once (positions, slots, the round's draft
+lists: one per request, of which each forward reads a prefix up to its own ends; the sampling columns) and
+replays the graph once per forward the round has, back to back: a round of 6 drafts runs 5 later forwards, not
+k - 1. One graph serves every forward: it reads which one it runs from a device counter (its rows of the round's
+buffers, its sampling column) and advances it, so a bucket captures once where a graph per forward captured
+k - 1 times (W1 on the H200: ~170 captures of ~75 ms each, most of them chain forwards).
 
 A bucket of ``D'`` requests holds the round's buffers (draft lists: ~80 MB at 256 requests, 8K contexts and
 sparsity 0.05); each sampling layout in it has its own columns and graphs: which filters run and their widths
@@ -134,8 +134,9 @@ class ChainGraphs:
                 self._run(step, sampler)
             else:
                 if sampler.graph is None:
-                    self._capture(step, sampler)  # its warm-up and capture each run a forward: start over
-                    step.forward.fill_(1)
+                    # Its warm-up runs a forward (and its draws joined the penalty's token sets): start over.
+                    self._capture(step, sampler)
+                    self._fill(step, sampler, inputs, count, spare_row)
                 sampler.graph.replay()
         return step.tokens[1 : inputs.forwards + 1, :count]
 

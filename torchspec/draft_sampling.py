@@ -6,7 +6,8 @@ general ``Runner._pick``: a pass over the items, NumPy over the rows, parameters
 ~1.6 ms per forward at batch 256 on the H200, about what the forward's replay costs the GPU. Here the per-request
 columns (temperature, top-k, top-p, stop tokens below ``min_new_tokens``, where each draft distribution is kept)
 are sent once per round, and a forward's selection is a fixed dozen tensor ops on a prefix of them, the same ops
-a chain graph captures.
+a chain graph captures. A repetition penalty reads a per-round copy of each request's tokens on the device
+(``presence``), to which every forward adds its draws: forward j penalises what the verify's row j will.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from torchspec.penalty import penalize
 from torchspec.request import Request
 from torchspec.sampling import warp_logits
 from torchspec.transfer import to_device
@@ -31,6 +33,11 @@ class DraftSampling:
     greedy: torch.Tensor  # [D] bool
     top_k: torch.Tensor | None  # [D] int64, 0 = off (None: no request filters)
     top_p: torch.Tensor | None  # [D] float64, 1 = off (None: no request filters)
+    min_p: torch.Tensor | None  # [D] fp32, 0 = off (None: no request filters)
+    penalty: torch.Tensor | None  # [D] fp32 repetition penalty, 1 = off (None: no request penalises)
+    # [D, V + 1] bool with ``penalty``: the tokens each request holds before this forward's draw (its tokens,
+    # the round's drafts so far), which each forward adds its draws to
+    presence: torch.Tensor | None
     max_top_k: int  # at least every request's top_k (a launch width, known on the host)
     support: int | None  # max_top_k when every sampled request filters by top-k, else None (the vocabulary)
     suppress_until: torch.Tensor  # [D]: forward j forbids the request's stop tokens while j < this
@@ -47,11 +54,13 @@ class DraftSampling:
         store_rows: Sequence[int],
         store_columns: Sequence[int],
         device: torch.device,
+        presence: torch.Tensor | None = None,
     ) -> DraftSampling:
         """The columns of chains whose forward 0 draws the token at ``first_positions[i]`` + 1 of
         ``requests[i]``, kept in draft-probs store row ``store_rows[i]`` from column ``store_columns[i]`` (the
-        drafts its round made before): one copy of integers, one of temperatures (and one of top-p values when
-        some request filters by it)."""
+        drafts its round made before): one copy of integers, one of temperatures, penalties and min-p values
+        (and one of top-p values when some request filters by it). ``presence``: the requests' tokens and the
+        round's drafts so far (``TokenPresence.gather``), given when some request penalises."""
         count = len(requests)
         params = [request.params for request in requests]
         width = max(1, max(len(p.stop_token_ids) for p in params))
@@ -71,7 +80,15 @@ class DraftSampling:
         columns = [until, greedy, top_k, np.asarray(store_rows, dtype=np.int64), np.asarray(store_columns, np.int64)]
         sent = to_device(np.concatenate([np.stack(columns).ravel(), stops.ravel()]), device)
         until_t, greedy_t, top_k_t, rows_t, columns_t = sent[: 5 * count].view(5, count)
-        temperature = to_device([1.0 if p.greedy else p.temperature for p in params], device, torch.float32)
+        # Greedy rows warp nothing; the penalty applies to them too.
+        floats = np.array(
+            [
+                [1.0 if p.greedy else p.temperature for p in params],
+                [0.0 if p.greedy else p.min_p for p in params],
+                [p.repetition_penalty for p in params],
+            ]
+        )
+        temperature, min_p, penalty = to_device(floats, device, torch.float32)
         top_p = [1.0 if p.greedy else p.top_p for p in params]
         filters = top_k.any() and bool((top_k > 0)[greedy == 0].all())
         return cls(
@@ -79,6 +96,9 @@ class DraftSampling:
             greedy=greedy_t.bool(),
             top_k=top_k_t if top_k.any() else None,
             top_p=to_device(top_p, device, torch.float64) if min(top_p) < 1 else None,
+            min_p=min_p if floats[1].any() else None,
+            penalty=None if presence is None else penalty,
+            presence=presence,
             max_top_k=int(top_k.max(initial=0)),
             support=int(top_k.max()) if filters else None,
             suppress_until=until_t,
@@ -88,11 +108,11 @@ class DraftSampling:
             all_greedy=bool(greedy.all()),
         )
 
-    def layout(self) -> tuple[bool, int | None, int, bool, bool, int]:
+    def layout(self) -> tuple[bool, int | None, int, bool, bool, bool, bool, int]:
         """What a captured selection fixes on the host: greedy alone or not, the top-k support and width,
-        whether top-k and top-p filter at all, and how many stop ids a row holds."""
-        has_top_k, has_top_p = self.top_k is not None, self.top_p is not None
-        return self.all_greedy, self.support, self.max_top_k, has_top_k, has_top_p, self.stop_tokens.shape[1]
+        whether top-k, top-p, min-p and the repetition penalty apply at all, and how many stop ids a row holds."""
+        present = [column is not None for column in (self.top_k, self.top_p, self.min_p, self.penalty)]
+        return self.all_greedy, self.support, self.max_top_k, *present, self.stop_tokens.shape[1]
 
     def buffers(self, size: int) -> DraftSampling:
         """Columns of the same layout for ``size`` rows, each row a copy of this one's first: fixed-address
@@ -128,10 +148,11 @@ class DraftSampling:
     ) -> torch.Tensor:
         """The tokens forward ``forward`` of the chains draws from ``logits`` (``[D, V]``, request i in row i;
         ``forward``: its index, or a device tensor ``[1]`` holding it, as in a chain graph that serves every forward):
-        the argmax for greedy requests, else a draw from the warped distribution (transformers' order: stop
-        tokens below ``min_new_tokens``, temperature, top-k, top-p), which goes to ``store`` (the ``[rows, k,
-        V]`` draft-probs store) for the verify's rejection sampling. A round of greedy requests alone takes the
-        argmax and nothing else (its verify reads no draft distribution).
+        the argmax for greedy requests, else a draw from the warped distribution (transformers' order: repetition
+        penalty, stop tokens below ``min_new_tokens``, temperature, top-k, top-p, min-p), which goes to ``store``
+        (the ``[rows, k, V]`` draft-probs store) for the verify's rejection sampling. A round of greedy requests
+        alone takes the argmax and nothing else (its verify reads no draft distribution). The draws join
+        ``presence``, for the next forward's penalty.
 
         When every sampled request filters by top-k, the distribution is warped over the ``support`` most
         likely tokens alone (one ``topk``, then ops on ``[D, support]``: at 256 x 49K, a dozen passes over the
@@ -142,13 +163,28 @@ class DraftSampling:
         active = (forward < self.suppress_until)[:, None]
         stops = logits.gather(1, self.stop_tokens).masked_fill(active, float("-inf"))
         logits = logits.scatter(1, self.stop_tokens, stops)
-        if self.all_greedy:
-            return logits.argmax(dim=-1)
+        if self.penalty is not None:  # in fp32, as transformers penalises (-inf stays -inf)
+            logits = penalize(logits.float(), self.presence, self.penalty)
+        tokens = logits.argmax(dim=-1) if self.all_greedy else self._draw(logits, forward, store, generator)
+        if self.presence is not None:
+            self.presence.scatter_(1, tokens[:, None], True)
+        return tokens
+
+    def _draw(
+        self, logits: torch.Tensor, forward: int | torch.Tensor, store: torch.Tensor, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """``select``'s tokens of a round with sampled requests, their distributions kept in ``store``."""
         candidates, support = logits, None
         if self.support is not None and self.support < logits.shape[-1]:
             candidates, support = logits.topk(self.support, dim=-1)  # values in descending order
         warped = warp_logits(
-            candidates, self.temperature, self.top_k, self.top_p, self.max_top_k, sorted_descending=support is not None
+            candidates,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.max_top_k,
+            sorted_descending=support is not None,
+            min_p=self.min_p,
         )
         probs = warped.softmax(dim=-1)
         draws = torch.multinomial(probs, 1, generator=generator)

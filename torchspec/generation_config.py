@@ -21,7 +21,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "num_beams": (None, 1),
     "num_beam_groups": (None, 1),
     "penalty_alpha": (None,),
-    "repetition_penalty": (None, 1.0),
     "encoder_repetition_penalty": (None, 1.0),
     "no_repeat_ngram_size": (None, 0),
     "encoder_no_repeat_ngram_size": (None, 0),
@@ -29,7 +28,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "force_words_ids": (None,),
     "constraints": (None,),
     "sequence_bias": (None,),
-    "min_p": (None,),
     "top_h": (None,),
     "typical_p": (None, 1.0),
     "epsilon_cutoff": (None, 0.0),
@@ -101,6 +99,8 @@ class ResolvedGeneration:
             temperature=1.0 if config.temperature is None else float(config.temperature),
             top_k=config.top_k or 0,
             top_p=1.0 if config.top_p is None else float(config.top_p),
+            repetition_penalty=1.0 if config.repetition_penalty is None else float(config.repetition_penalty),
+            min_p=0.0 if config.min_p is None else float(config.min_p),
             stop_token_ids=self.eos_token_ids,
             stopping_criteria=self.stopping_criteria,
         )
@@ -147,9 +147,9 @@ def resolve_generation_config(
     if enabled:
         raise ValueError(
             f"generation option(s) {enabled} are not supported by torchspec; unset them "
-            "(supported: max_new_tokens, max_length, min_new_tokens, min_length, do_sample, temperature, "
-            "top_k, top_p, eos_token_id, pad_token_id, stop_strings, stopping_criteria, num_return_sequences, "
-            "return_dict_in_generate, streamer)"
+            "(supported: max_new_tokens, max_length, min_new_tokens, min_length, do_sample, temperature, top_k, "
+            "top_p, min_p, repetition_penalty, eos_token_id, pad_token_id, stop_strings, stopping_criteria, "
+            "num_return_sequences, return_dict_in_generate, streamer)"
         )
     samples = 1 if config.num_return_sequences is None else config.num_return_sequences
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
@@ -158,7 +158,10 @@ def resolve_generation_config(
             "pass e.g. num_return_sequences=4 with do_sample=True"
         )
     eos = config.eos_token_id
-    eos_token_ids = () if eos is None else tuple(int(t) for t in ([eos] if isinstance(eos, int) else eos))
+    listed = () if eos is None else (int(t) for t in ([eos] if isinstance(eos, int) else eos))
+    # A negative id is no token: transformers' generate_batch writes -1 ("no EOS") into the config it runs on (the
+    # one passed, else the model's), and generate never stops on one. Kept, it would index the logits at -1.
+    eos_token_ids = tuple(t for t in listed if t >= 0)
     pad_token_id = config.pad_token_id
     if pad_token_id is None and eos_token_ids:
         warnings.warn(

@@ -32,6 +32,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
+    # transformers' RepetitionPenaltyLogitsProcessor (greedy too): the logits of every token the request holds,
+    # prompt and output, divided by it where positive, multiplied where negative. 1 = off.
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # transformers' MinPLogitsWarper (sampling only, after top-p); 0 = off
     stop_token_ids: tuple[int, ...] = ()
     # transformers stopping criteria (a ``StoppingCriteriaList``: a callable of ``(input_ids, scores)`` that returns
     # a bool or a bool per row), checked on the host as tokens are committed, on the rows of the request's batch
@@ -50,10 +54,22 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.top_p is None or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.repetition_penalty is None or not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1.0 disables it, above 1 discourages repeats), "
+                f"got {self.repetition_penalty!r}"
+            )
+        if self.min_p is None or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0.0
+
+    @property
+    def penalises(self) -> bool:
+        """Its tokens' logits change with the tokens it holds (the runner then tracks them on the device)."""
+        return self.repetition_penalty != 1.0
 
 
 @dataclass

@@ -25,6 +25,7 @@ from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context, verify_mass_buffer
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.kv_offload import HostKVStore
+from torchspec.penalty import TokenPresence
 from torchspec.sampling import DenseProbs, WarpedLogits, suppress_stop_tokens, target_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.slot_table import SlotTable
@@ -72,6 +73,7 @@ class Runner:
         self.max_scored_queries = max(1, MAX_SCORED_ROWS // largest_group)
         self.table = SlotTable(device)
         self.draft_probs = DraftProbsStore(self.num_draft_slots, device)
+        self.presence = TokenPresence(device)  # the tokens of requests with a repetition penalty
         self.graphs = None
         # Layers that draft sparsely (and whose verify mass the policy learns from) -> their KV heads.
         self.sparse_heads = {layer: self.num_kv_heads[layer] for layer in (policy.sparse_layers if policy else [])}
@@ -389,6 +391,7 @@ class Runner:
             at = row_index([position[i] for i in emitting.tolist()], self.device)
             gains[at] += picks.accepted
             self.table.last_tokens[rows[at]] = picks.next_token
+            self._record_tokens(plan, picks, rows[at])
         self.table.computed[rows] += gains
         # A prompt chunk short of the end leaves the prompt's next token as the newest (a step may feed it as a
         # decode when it is the prompt's last).
@@ -397,6 +400,14 @@ class Runner:
             newest = [item.request.token_ids[item.first_position + item.num_query_tokens] for item in chunks]
             index = self._tensor([[self.table.row(item.request) for item in chunks], newest])
             self.table.last_tokens[index[0]] = index[1]
+
+    def _record_tokens(self, plan: StepPlan, picks: _Picks, rows: torch.Tensor) -> None:
+        """Add what the forward's penalising requests emit to their tokens on the device (``rows``: the
+        slot-table rows of the emitting requests, in picks order)."""
+        penalising = [j for j, i in enumerate(picks.emitting) if plan.scheduled[i].request.params.penalises]
+        if penalising:
+            at = row_index(penalising, self.device)
+            self.presence.record(rows[at], picks.drafts[at], picks.accepted[at], picks.next_token[at])
 
     def _draft_sampling(
         self,
@@ -414,7 +425,12 @@ class Runner:
         self.draft_probs.reserve(max(*rows, spare) + 1, vocab_size)  # before any forward writes: never regrown
         first_positions = [item.first_position for item in drafts]
         columns = [item.first_position - _device_computed(item) for item in drafts]  # drafts made before
-        sampling = DraftSampling.of([item.request for item in drafts], first_positions, rows, columns, self.device)
+        requests = [item.request for item in drafts]
+        presence = None
+        if any(request.params.penalises for request in requests):  # with the drafts made before (on the host)
+            earlier = [request.round.tokens[:column] for request, column in zip(requests, columns, strict=True)]
+            presence = self.presence.round_sets(requests, rows, vocab_size, earlier)
+        sampling = DraftSampling.of(requests, first_positions, rows, columns, self.device, presence)
         if shifts is not None:  # a round that starts earlier draws earlier outputs: stop tokens stay forbidden longer
             sampling.suppress_until = sampling.suppress_until + shifts
         return sampling
@@ -665,6 +681,16 @@ class Runner:
                 suppress_stop_tokens(logits, unsure, [stops[i] for i in owner[unsure].tolist()], when)
         greedy = np.fromiter((p.greedy for p in params), bool, num_items)
         is_draft = np.fromiter((item.phase is Phase.DRAFT for item in items), bool, num_items)
+        # Verifies and final prompt chunks emit tokens: accepted drafts and the next token, on the device.
+        emitting = np.flatnonzero((counts > 0) & ~is_draft).tolist()
+        drafts = self._emitting_drafts([items[i] for i in emitting], emitting, drafted) if emitting else None
+        penalising = [e for e, i in enumerate(emitting) if params[i].penalises]
+        if penalising:  # (drafts penalise in ``sampling.select``)
+            at = [emitting[e] for e in penalising]
+            requests = [items[i].request for i in at]
+            rows = [self.table.row(request) for request in requests]
+            penalised_drafts = drafts[row_index(penalising, self.device)]
+            logits = self.presence.penalize_rows(logits, requests, rows, first[at], counts[at], penalised_drafts)
         sampled_rows = np.flatnonzero(~greedy[owner] & ~is_draft[owner])
         target_index = np.full(owner.size, -1, dtype=np.int64)  # each sampled row's distribution in ``targets``
         target_index[sampled_rows] = np.arange(sampled_rows.size)
@@ -676,25 +702,35 @@ class Runner:
             targets = target_probs(target_logits, params, owner[sampled_rows], self.ops)
         # Greedy rows take the argmax (a pass over the logits: 226 MB for W1's verify); sampled rows never read it.
         tokens = logits.argmax(dim=-1) if greedy.any() else logits.new_zeros(logits.shape[0], dtype=torch.int64)
-        drafts = np.flatnonzero(is_draft)
-        if drafts.size:
-            rows = row_index(first[drafts].tolist(), self.device)
+        draft_items = np.flatnonzero(is_draft)
+        if draft_items.size:
+            rows = row_index(first[draft_items].tolist(), self.device)
             tokens[rows] = sampling.select(logits[rows], 0, self.draft_probs.probs, self.generator)
-        # Verifies and final prompt chunks emit tokens: accepted drafts and the next token, on the device.
-        emitting = np.flatnonzero((counts > 0) & ~is_draft).tolist()
         accepted, next_token = None, None
         if emitting:
             accepted, next_token = self._accept(
-                [(i, items[i], first_row[i]) for i in emitting], greedy, tokens, targets, target_index, drafted
+                [(i, items[i], first_row[i]) for i in emitting], greedy, tokens, targets, target_index, drafts
             )
         return _Picks(
             tokens=tokens,
-            entropies=self._draft_entropies(logits, first[drafts].tolist()),
+            entropies=self._draft_entropies(logits, first[draft_items].tolist()),
             emitting=emitting,
             emitting_rows={first_row[i]: j for j, i in enumerate(emitting)},
+            drafts=drafts,
             accepted=accepted,
             next_token=next_token,
         )
+
+    def _emitting_drafts(
+        self, items: Sequence[ScheduledRequest], indices: Sequence[int], drafted: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``[E, n]``: the drafts each emitting request (``items``, at plan ``indices``) checks, zeros past them
+        (none for a final prompt chunk): from ``drafted`` (rows by plan index) when given, else from the host."""
+        if drafted is not None:
+            return drafted[row_index(indices, self.device)]
+        rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item in items]
+        n = max(_round_drafts(item) for item in items)
+        return self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
 
     def collect(self, step: LaunchedStep) -> list[StepResult]:
         """Each request's results, from the one read-back of a launched step (waits for that step alone). The
@@ -739,19 +775,13 @@ class Runner:
         tokens: torch.Tensor,
         targets: DenseProbs | WarpedLogits | None,
         target_index: np.ndarray,
-        drafted: torch.Tensor | None,
+        drafts: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Accepted drafts and next token of every verify (and final prompt chunk) of a forward, on the device:
         greedy requests' from the argmax (``tokens``), sampled requests' by rejection sampling, each kind in one
-        batch. ``emitting``: (index in the plan, item, first row); ``greedy``: per plan index; their drafts come
-        from ``drafted`` (rows by plan index) when given, else from the host."""
+        batch. ``emitting``: (index in the plan, item, first row); ``greedy``: per plan index; ``drafts``: theirs
+        (``_emitting_drafts``)."""
         counts = [_round_drafts(item) for _, item, _ in emitting]
-        if drafted is None:
-            rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for _, item, _ in emitting]
-            n = max(counts)
-            drafts = self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
-        else:
-            drafts = drafted[row_index([index for index, _, _ in emitting], self.device)]
         meta = self._tensor([counts, [row for _, _, row in emitting]])
         num_drafts, first_rows = meta
         # Each round's rows, from its first: its newest token's and one per draft (padding repeats the last).
@@ -883,6 +913,7 @@ class _Picks:
     entropies: torch.Tensor | None  # [draft rows]: their entropy, for policies that steer by it
     emitting: list[int]  # plan indices of the verifies and final prompt chunks, which emit tokens
     emitting_rows: dict[int, int]  # first row of each of them -> its index in accepted / next_token
+    drafts: torch.Tensor | None  # [emitting, n]: the drafts each checked (zeros past them)
     accepted: torch.Tensor | None  # [emitting]: drafts kept
     next_token: torch.Tensor | None  # [emitting]: the corrected or bonus token (or a prompt's first)
 

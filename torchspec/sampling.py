@@ -1,11 +1,12 @@
-"""Token selection on a model's logits (in fp32), in transformers' order: min-new-tokens, temperature, top-k,
-top-p."""
+"""Token selection on a model's logits (in fp32), in transformers' order: repetition penalty (penalty.py),
+min-new-tokens, temperature, top-k, top-p, min-p."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -73,8 +74,10 @@ def warp_logits(
     max_top_k: int,
     sorted_descending: bool = False,
     select: TopK | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-row temperature, top-k (0 = off) and top-p, exactly as transformers' warpers compute them.
+    """Per-row temperature, top-k (0 = off), top-p and min-p (0 = off), exactly as transformers' warpers compute
+    them.
 
     ``logits`` is ``[R, V]`` in any float dtype (a bf16 model's own logits: no fp32 copy first); the result is
     fp32, each entry ``logits / temperature`` as transformers computes it on fp32 logits (a bf16 value widens
@@ -89,37 +92,58 @@ def warp_logits(
     vocabulary). The Top-K reads the logits as given, before the temperature: dividing by a positive temperature
     keeps the order, so the k-th largest scaled logit is the scaled k-th largest, and a 16-bit search takes half
     the steps of an fp32 one. ``sorted_descending``: the rows are in descending order already (the values of a
-    vocabulary top-k, as a draft warps over its support), so that Top-K is not needed.
+    vocabulary top-k, as a draft warps over its support), so that Top-K is not needed. ``min_p`` (fp32, as
+    transformers rounds its Python float when it scales the top probability) drops what is less likely than
+    min_p times the row's most likely token, after the other filters (transformers' order); its most likely
+    token always stays, so transformers' ``min_tokens_to_keep=1`` needs nothing more.
     """
     scaled = logits / temperature[:, None]
     if top_k is not None and max_top_k > 0:
         cutoff = top_k_cutoff(logits, temperature, top_k, max_top_k, sorted_descending, select)
         scaled = scaled.masked_fill(scaled < cutoff[:, None], float("-inf"))
-    if top_p is None:
-        return scaled
-    ascending, order = scaled.sort(dim=-1, descending=False)
-    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    cutoff = (1 - top_p.double()).to(cumulative.dtype)
-    remove_sorted = (cumulative <= cutoff[:, None]) & (top_p < 1)[:, None]
-    remove_sorted[:, -1] = False  # always keep the most likely token
-    remove = remove_sorted.scatter(1, order, remove_sorted)
-    return scaled.masked_fill(remove, float("-inf"))
+    if top_p is not None:
+        ascending, order = scaled.sort(dim=-1, descending=False)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        cutoff = (1 - top_p.double()).to(cumulative.dtype)
+        remove_sorted = (cumulative <= cutoff[:, None]) & (top_p < 1)[:, None]
+        remove_sorted[:, -1] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(1, order, remove_sorted)
+        scaled = scaled.masked_fill(remove, float("-inf"))
+    if min_p is not None:
+        probs = scaled.softmax(dim=-1)
+        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return scaled
 
 
-def _warp_columns(
-    params: Sequence[SamplingParams], owner: np.ndarray | None, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
-    """Per-row temperature, top-k and top-p for ``warp_logits`` (row ``r`` takes ``params[owner[r]]``; ``owner``
-    None: ``params[r]``), gathered with NumPy, not a loop per row; a filter no row applies is None."""
+class WarpColumns(NamedTuple):
+    """Per-row warper parameters on the device (see ``warp_logits``); a filter no row applies is None."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    max_top_k: int
+    min_p: torch.Tensor | None
+
+    def warp(self, logits: torch.Tensor, select: TopK | None = None) -> torch.Tensor:
+        return warp_logits(
+            logits, self.temperature, self.top_k, self.top_p, self.max_top_k, select=select, min_p=self.min_p
+        )
+
+
+def _warp_columns(params: Sequence[SamplingParams], owner: np.ndarray | None, device: torch.device) -> WarpColumns:
+    """The warper columns of rows ``r`` taking ``params[owner[r]]`` (``owner`` None: ``params[r]``), gathered
+    with NumPy, not a loop per row."""
     owner = np.arange(len(params)) if owner is None else owner
     column = lambda values, dtype: np.fromiter(values, dtype, len(params))[owner]  # noqa: E731
     top_k = column((p.top_k for p in params), np.int64)
     top_p = column((p.top_p for p in params), np.float64)
-    return (
-        to_device(column((p.temperature for p in params), np.float64), device, torch.float32),
-        to_device(top_k, device, torch.int64) if top_k.any() else None,
-        to_device(top_p, device, torch.float64) if (top_p < 1).any() else None,
-        int(top_k.max(initial=0)),
+    min_p = column((p.min_p for p in params), np.float64)
+    return WarpColumns(
+        temperature=to_device(column((p.temperature for p in params), np.float64), device, torch.float32),
+        top_k=to_device(top_k, device, torch.int64) if top_k.any() else None,
+        top_p=to_device(top_p, device, torch.float64) if (top_p < 1).any() else None,
+        max_top_k=int(top_k.max(initial=0)),
+        min_p=to_device(min_p, device, torch.float32) if min_p.any() else None,
     )
 
 
@@ -128,13 +152,12 @@ def warped_probs(
 ) -> torch.Tensor:
     """Softmax of transformers-warped logits (``[R, V]``, any float dtype; fp32 probabilities), row ``r``
     warped by ``params[owner[r]]`` (``owner`` None: ``params[r]``)."""
-    temperature, top_k, top_p, max_top_k = _warp_columns(params, owner, logits.device)
-    return warp_logits(logits, temperature, top_k, top_p, max_top_k).softmax(dim=-1)
+    return _warp_columns(params, owner, logits.device).warp(logits).softmax(dim=-1)
 
 
 class DenseProbs:
-    """Warped target distributions as their fp32 probabilities ``[R, V]``: what top-p needs (a sort of each
-    row's vocabulary decides which tokens it keeps)."""
+    """Warped target distributions as their fp32 probabilities ``[R, V]``: what top-p and min-p need (a sort of
+    each row's vocabulary, or its normaliser, decides which tokens it keeps)."""
 
     def __init__(self, probs: torch.Tensor) -> None:
         self.probs = probs
@@ -182,13 +205,13 @@ def target_probs(
     logits: torch.Tensor, params: Sequence[SamplingParams], owner: np.ndarray | None, ops: ModuleType
 ) -> DenseProbs | WarpedLogits:
     """The warped target distributions of ``logits`` rows (row ``r`` by ``params[owner[r]]``), as
-    ``warped_probs`` computes them: dense where some row filters by top-p, else kept as the logits with one
-    top-k cut-off and one log-normaliser per row (``ops``: the op set whose ``top_k_positions`` and
+    ``warped_probs`` computes them: dense where some row filters by top-p or min-p, else kept as the logits with
+    one top-k cut-off and one log-normaliser per row (``ops``: the op set whose ``top_k_positions`` and
     ``warped_lse`` compute them, see ``attention.reference``)."""
-    temperature, top_k, top_p, max_top_k = _warp_columns(params, owner, logits.device)
-    if top_p is not None:
-        warped = warp_logits(logits, temperature, top_k, top_p, max_top_k, select=ops.top_k_positions)
-        return DenseProbs(warped.softmax(dim=-1))
+    columns = _warp_columns(params, owner, logits.device)
+    if columns.top_p is not None or columns.min_p is not None:
+        return DenseProbs(columns.warp(logits, select=ops.top_k_positions).softmax(dim=-1))
+    temperature, top_k, max_top_k = columns.temperature, columns.top_k, columns.max_top_k
     cutoff = logits.new_full(logits.shape[:1], float("-inf"), dtype=torch.float32)
     if top_k is not None and max_top_k > 0:
         cutoff = top_k_cutoff(logits, temperature, top_k, max_top_k, select=ops.top_k_positions)

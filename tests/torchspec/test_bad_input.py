@@ -160,6 +160,10 @@ BAD_OPTIONS = [
     pytest.param({"do_sample": True, "temperature": -0.5}, r"temperature.*-0\.5", id="temperature=-0.5"),
     pytest.param({"do_sample": True, "top_p": 0.0}, r"top_p.*0", id="top_p=0"),
     pytest.param({"do_sample": True, "top_p": 1.5}, r"top_p.*1\.5", id="top_p=1.5"),
+    pytest.param({"repetition_penalty": 0.0}, r"repetition_penalty must be > 0.*0\.0", id="repetition_penalty=0"),
+    pytest.param({"repetition_penalty": -1.2}, r"repetition_penalty must be > 0.*-1\.2", id="repetition_penalty=-1.2"),
+    pytest.param({"do_sample": True, "min_p": 1.5}, r"min_p must be in \[0, 1\].*1\.5", id="min_p=1.5"),
+    pytest.param({"min_p": -0.1}, r"min_p must be in \[0, 1\].*-0\.1", id="min_p=-0.1"),
 ]
 
 
@@ -180,7 +184,7 @@ def test_generate_batch_rejects_bad_option(model: Any, options: dict, message: s
 
 UNSUPPORTED_OPTIONS = [
     pytest.param({"num_beams": 2}, "num_beams", id="num_beams"),
-    pytest.param({"repetition_penalty": 1.2}, "repetition_penalty", id="repetition_penalty"),
+    pytest.param({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size", id="no_repeat_ngram_size"),
     pytest.param({"output_scores": True, "return_dict_in_generate": True}, "output_scores", id="output_scores"),
     pytest.param({"foo": 1}, "foo", id="unknown-kwarg"),
 ]

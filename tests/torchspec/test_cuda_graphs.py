@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -129,15 +130,47 @@ def test_a_chain_graph_runs_the_forwards_its_round_has(monkeypatch, sampling):
     assert len(layouts) == 1 and next(iter(layouts))[0] is (not sampling["do_sample"]), layouts
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [{"do_sample": False}, {"do_sample": True, "temperature": 0.8, "min_p": 0.05}],
+    ids=["greedy", "sampled"],
+)
+def test_a_chain_graph_capture_leaves_the_round_as_it_found_it(monkeypatch, sampling):
+    """Capturing a chain graph runs its forward once outside the graph (the warm-up), which draws tokens, adds
+    them to the round's repetition-penalty token sets and advances the forward counter: the round must start
+    over after it, or its forward would penalise a draw it has not made (greedy: its own argmax). Modelled on
+    the CPU (a capture that runs the forward once, a graph that runs it on each replay): with drafts reading
+    every position, each draft is its verify's choice and is accepted."""
+
+    def capture(run, label, pool):
+        run()
+        return SimpleNamespace(replay=run), None
+
+    batch = Batch((9, 30, 17, 5, 40, 12, 21, 3), seed=3)
+    wrapped = sparsespec.wrap(
+        tiny_spec("llama", 2).build(), draft="pillar_recent", cuda_graphs=True, **(OPTIONS | {"min_budget": 256})
+    )
+    chain_graphs = wrapped.engine.runner.chain_graphs
+    monkeypatch.setattr(chain_graphs, "capture", True)
+    monkeypatch.setattr(chain_graphs.captures, "capture", capture)
+    torch.manual_seed(0)
+    wrapped.generate(**batch.kwargs(), max_new_tokens=23, repetition_penalty=3.0, **sampling)
+    stats = wrapped.last_stats
+    samplers = [sampler for step in chain_graphs._steps.values() for sampler in step.samplers.values()]
+    assert samplers and all(sampler.graph is not None for sampler in samplers)
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
 @pytest.mark.parametrize("draft", [None, "pillar_recent"])
-def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft):
+def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft, penalty):
     """On the GPU the buckets are captured as CUDA graphs and replayed: fp32 greedy tokens equal the eager
-    dynamic path's."""
+    dynamic path's, with a repetition penalty too."""
     spec, batch = tiny_spec("llama", 2), Batch((9, 30, 17, 5, 40), seed=4)
     options = {**OPTIONS, "attention_backend": "triton"}
     model = spec.build().cuda()
-    inputs = {name: value.cuda() for name, value in batch.kwargs().items()}
+    inputs = {name: value.cuda() for name, value in batch.kwargs().items()} | {"repetition_penalty": penalty}
     expected = sparsespec.wrap(model, draft=draft, **options).generate(**inputs, max_new_tokens=40, do_sample=False)
     wrapped = sparsespec.wrap(model, draft=draft, cuda_graphs=True, **options)
     actual = wrapped.generate(**inputs, max_new_tokens=40, do_sample=False)
@@ -151,19 +184,21 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("penalised", [False, True], ids=["plain", "penalty-min_p"])
 @pytest.mark.parametrize(("draft", "delayed_verify"), [(None, None), ("pillar_recent", False), ("pillar_recent", True)])
-def test_steady_steps_synchronise_at_most_once(draft, delayed_verify):
+def test_steady_steps_synchronise_at_most_once(draft, delayed_verify, penalised):
     """Once its buckets are captured, a decoding step waits for the GPU at most once: its read-back. Planning,
     launching and committing never copy from pageable memory, read a device value (``.item()``, ``.tolist()``)
     or make a data-dependent shape; sync debug mode ('warn') flags each such wait, counted per step. With
     delayed verification and speculation each step holds every request's round, launched while its last round
-    is in flight (rounds ahead)."""
+    is in flight (rounds ahead). A repetition penalty's token sets and min_p stay on the device too."""
     model = tiny_spec("llama", 2).build().cuda()
     wrapped = sparsespec.wrap(
         model, draft=draft, delayed_verify=delayed_verify, kv_capacity_tokens=4096, k=4, min_budget=6
     )
     engine = wrapped.engine
-    params = SamplingParams(max_new_tokens=80, min_new_tokens=80, do_sample=True, temperature=0.7)
+    extra = {"repetition_penalty": 1.3, "min_p": 0.05} if penalised else {}
+    params = SamplingParams(max_new_tokens=80, min_new_tokens=80, do_sample=True, temperature=0.7, **extra)
     requests = [engine.new_request(i, list(range(3, 3 + n)), params) for i, n in enumerate((20, 31, 25, 40))]
     steps = iter(engine.steps(requests))
     for _ in range(6):  # prompts, the first plain steps and rounds: every bucket of this batch captured

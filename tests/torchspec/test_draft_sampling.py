@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from torchspec.draft_sampling import DraftSampling
+from torchspec.penalty import penalize
 from torchspec.request import Request, SamplingParams
 from torchspec.sampling import suppress_stop_tokens, warped_probs
 
@@ -64,6 +67,36 @@ def test_each_forward_samples_from_the_general_warped_distribution_and_keeps_it(
         untouched = torch.ones(8, dtype=torch.bool)
         untouched[store_rows] = False
         assert not store[untouched].any() and not store[:, [c for c in range(K) if c != forward]].any()
+
+
+def test_each_forward_penalises_the_requests_tokens_and_the_rounds_earlier_draws():
+    """With a repetition penalty per request (1 = none) and min_p, forward j draws after transformers' penalty
+    over the request's tokens and the round's draws of the forwards before j, greedy requests' included: the
+    kept distributions are the general path's on the penalised logits, and the greedy request, whose argmax is
+    a token it holds or has just drawn, moves on: 9 (its 4 penalised), then 10 (9 drawn), then 4 (both drawn)."""
+    requests = _requests()
+    penalties, min_ps = [1.5, 1.0, 0.7, 2.0], [0.05, 0.1, 0.0, 0.2]  # the greedy request's min_p: ignored
+    for request, penalty, min_p in zip(requests, penalties, min_ps, strict=True):
+        request.params = dataclasses.replace(request.params, repetition_penalty=penalty, min_p=min_p)
+    seen = torch.zeros(len(requests), VOCAB + 1, dtype=torch.bool)
+    for i, request in enumerate(requests):
+        seen[i, request.token_ids] = True
+    first_positions = [r.num_computed_tokens for r in requests]
+    sampling = DraftSampling.of(requests, first_positions, [5, 0, 2, 7], [0] * 4, torch.device("cpu"), seen.clone())
+    generator, greedy_draws = torch.Generator().manual_seed(0), []
+    for forward in range(K - 1):
+        logits = torch.randn(len(requests), VOCAB, generator=torch.Generator().manual_seed(forward))
+        logits[3, [4, 9, 10]] = torch.tensor([5.0, 4.0, 3.0])
+        store = torch.zeros(8, K, VOCAB)
+        tokens = sampling.select(logits, forward, store, generator)
+        expected, _ = _general_selection(requests, logits, forward)
+        penalised = penalize(expected, seen, torch.tensor(penalties))
+        probs = warped_probs(penalised[:3], [r.params for r in requests[:3]])
+        torch.testing.assert_close(store[[5, 0, 2], forward], probs)
+        assert all(probs[i, tokens[i]] > 0 for i in range(3))
+        greedy_draws.append(int(tokens[3]))
+        seen[torch.arange(len(requests)), tokens] = True
+    assert greedy_draws == [9, 10, 4]
 
 
 def test_requests_that_all_filter_by_top_k_warp_over_their_support_alone():

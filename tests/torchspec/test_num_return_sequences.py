@@ -115,6 +115,21 @@ def test_samples_survive_offload(reference: torch.Tensor, eos: int) -> None:
     assert wrapped.engine.runner.host.num_requests == 0
 
 
+def test_penalised_samples_equal_transformers() -> None:
+    """A repetition penalty holds in every sample of a prompt: the samples that copy its K/V penalise the prompt's
+    tokens and their own as transformers does, and the prompt is still prefilled once."""
+    options = {"max_new_tokens": MAX_NEW_TOKENS, "num_return_sequences": SAMPLES} | GREEDY_SAMPLING
+    with torch.inference_mode():
+        expected = SPEC.build().generate(**BATCH.kwargs(), **options, repetition_penalty=1.3)
+        plain = SPEC.build().generate(**BATCH.kwargs(), **options)
+    assert not torch.equal(expected, plain), "the penalty does not change transformers' output: test is vacuous"
+    wrapped = _wrap({})
+    prefilled = _count_prefill(wrapped)
+    assert_same_tokens(expected, wrapped.generate(**BATCH.kwargs(), **options, repetition_penalty=1.3), SPEC, BATCH)
+    assert dict(prefilled) == {p: n + (SAMPLES - 1) * min(n, K + 1) for p, n in enumerate(BATCH.lengths)}
+    assert_no_slot_leak(wrapped)
+
+
 def _top_k_rank_ok(model: Any, sequences: torch.Tensor, batch: Batch, top_k: int) -> bool:
     """Every generated token of every row is among the model's ``top_k`` at its position (transformers' forward
     of the row with its left padding masked)."""

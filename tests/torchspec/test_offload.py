@@ -70,20 +70,25 @@ def test_offload_gives_the_unconstrained_tokens(draft, delayed):
     _assert_moved(wrapped)
 
 
+PENALTY = {"repetition_penalty": 1.3}  # each request's token set, on the device by slot-table row, moves too
+
+
 @pytest.mark.parametrize(
-    "spec, options",
+    "spec, options, sampling",
     [
-        (tiny_spec("qwen3", 4), {}),
-        (SPEC, {"cuda_graphs": True}),  # the graph-padded path (run without capture on a CPU)
-        (SPEC, {"delayed_verify": True, "cuda_graphs": True}),
-        (SPEC, {"max_step_tokens": 32}),  # prompts prefilled in chunks, next to decodes
+        (tiny_spec("qwen3", 4), {}, {}),
+        (SPEC, {"cuda_graphs": True}, {}),  # the graph-padded path (run without capture on a CPU)
+        (SPEC, {"delayed_verify": True, "cuda_graphs": True}, {}),
+        (SPEC, {"max_step_tokens": 32}, {}),  # prompts prefilled in chunks, next to decodes
+        (SPEC, {}, PENALTY),
+        (SPEC, {"delayed_verify": True}, PENALTY),
     ],
-    ids=["qwen3", "graphs", "graphs-delayed", "chunked-prefill"],
+    ids=["qwen3", "graphs", "graphs-delayed", "chunked-prefill", "penalty", "penalty-delayed"],
 )
 @pytest.mark.parametrize("draft", [None, "pillar_recent"])
-def test_offload_gives_the_unconstrained_tokens_on_every_path(spec, options, draft):
-    expected, _ = _generate(spec, draft, UNCONSTRAINED | options)
-    actual, wrapped = _generate(spec, draft, TIGHT | options)
+def test_offload_gives_the_unconstrained_tokens_on_every_path(spec, options, sampling, draft):
+    expected, _ = _generate(spec, draft, UNCONSTRAINED | options, **sampling)
+    actual, wrapped = _generate(spec, draft, TIGHT | options, **sampling)
     assert torch.equal(expected, actual), f"{actual}\n{expected}"
     _assert_moved(wrapped)
 

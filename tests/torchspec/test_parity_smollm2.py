@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -23,6 +26,21 @@ def batch(smollm2):
     return tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
 
 
+@pytest.fixture(scope="module")
+def reference(smollm2, batch) -> Callable[..., torch.Tensor]:
+    """``reference(**generate_kwargs)``: transformers' own greedy ``generate`` of the batch, run once per options."""
+    model, _ = smollm2
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def run(**kwargs: Any) -> torch.Tensor:
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = model.generate(**batch, do_sample=False, **kwargs)
+        return cache[key]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "lengths",
     [
@@ -30,10 +48,10 @@ def batch(smollm2):
         pytest.param({"max_new_tokens": 72, "min_new_tokens": 72}, id="no-eos-min-new-tokens"),
     ],
 )
-def test_greedy_batch_matches_transformers(smollm2, batch, lengths):
+def test_greedy_batch_matches_transformers(smollm2, batch, reference, lengths):
     """Left-padded batch, 64+ new tokens: same tensor as HF generate, with and without rows stopping at EOS."""
     model, _ = smollm2
-    expected = model.generate(**batch, do_sample=False, **lengths)
+    expected = reference(**lengths)
     wrapped = sparsespec.wrap(model, draft=None, max_step_tokens=256)
     actual = wrapped.generate(**batch, do_sample=False, **lengths)
     assert torch.equal(actual, expected)
@@ -47,6 +65,21 @@ def test_greedy_batch_matches_transformers(smollm2, batch, lengths):
     pool = wrapped.engine.pool
     assert pool.allocator.num_free == pool.num_slots
     assert wrapped.last_stats.generated_tokens == sum(_generated_length(row, eos) for row in new_tokens)
+
+
+@pytest.mark.parametrize("draft", [None, "pillar_recent"])
+def test_repetition_penalty_and_min_p_match_transformers(smollm2, batch, reference, draft):
+    """repetition_penalty=1.3 with min_p (which greedy decoding ignores, as transformers does): the same tensor
+    as HF generate, without speculation and with it (sparse drafts on the long prompts: some rejected)."""
+    model, _ = smollm2
+    options = {"max_new_tokens": 64, "repetition_penalty": 1.3, "min_p": 0.1}
+    expected = reference(**options)
+    assert not torch.equal(expected, reference(max_new_tokens=64)), "the penalty changes nothing: test is vacuous"
+    wrapped = sparsespec.wrap(model, draft=draft, max_step_tokens=256)
+    assert torch.equal(wrapped.generate(**batch, do_sample=False, **options), expected)
+    stats = wrapped.last_stats
+    if draft is not None:
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats.accepted_histogram
 
 
 def _generated_length(row: torch.Tensor, eos: int) -> int:

@@ -24,6 +24,7 @@ from tests.torchspec.conftest import (
     tiny_spec,
 )
 from torchspec import sparsespec
+from torchspec.request import SamplingParams
 from torchspec.runner import LaunchedStep
 from torchspec.scheduler import StepPlan
 
@@ -239,6 +240,61 @@ def test_eos_stops_every_row(spec, options, hf_reference):
     assert all(row[-1] in eos for row in generated_rows(actual, batch, eos))
 
 
+# -- repetition penalty and min_p -------------------------------------------------------------------------------
+DENSE = {"draft": "pillar_recent"}  # min_budget 128 covers every context: each draft is the target's own forward
+# (wrap options, whether every draft is accepted: drafts reading every position, else some are rejected)
+PENALTY_DRAFTS = [
+    pytest.param({}, None, id="no-draft"),
+    pytest.param({"draft": "pillar_recent", "min_budget": 8, "sparsity": 0.1}, False, id="sparse"),
+    pytest.param(DENSE, True, id="dense"),
+    pytest.param(DENSE | {"draft_chain": False}, True, id="dense-stepwise"),
+    pytest.param(DENSE | {"cuda_graphs": True}, True, id="dense-graphs"),
+    pytest.param(DENSE | {"delayed_verify": True}, True, id="dense-delayed"),
+    pytest.param({"draft": "ngram"}, False, id="ngram"),
+]
+PENALTY_OPTIONS = [
+    pytest.param({"repetition_penalty": 1.3}, id="penalty1.3"),
+    pytest.param({"repetition_penalty": 0.7}, id="penalty0.7"),  # below 1: repeats favoured
+    pytest.param({"repetition_penalty": 1.3, "min_p": 0.1}, id="penalty1.3-min_p0.1"),  # min_p: greedy ignores it
+]
+
+
+@pytest.mark.parametrize("options", PENALTY_OPTIONS)
+@pytest.mark.parametrize(("draft", "all_accepted"), PENALTY_DRAFTS)
+def test_repetition_penalty_matches_transformers(draft, all_accepted, options, hf_reference):
+    """A repetition penalty penalises the prompt and every token so far, as transformers does, whatever drafts:
+    with a draft reading every position (chained, one per step, from the chain's padded graph path, or launched
+    ahead of the round in flight) every draft is accepted, so each draft forward penalised what its verify row
+    did (the round's earlier drafts included)."""
+    spec = ARCH_SPECS[0]
+    expected = hf_reference(spec, BATCH, max_new_tokens=MAX_NEW_TOKENS, **options)
+    plain = hf_reference(spec, BATCH, max_new_tokens=MAX_NEW_TOKENS)
+    assert not torch.equal(expected, plain), "the penalty does not change transformers' output: test is vacuous"
+    wrapped, actual = _run(spec, BATCH, draft, **options)
+    assert_same_tokens(expected, actual, spec, BATCH)
+    assert_no_slot_leak(wrapped)
+    stats = wrapped.last_stats
+    if all_accepted is not None:
+        assert stats.num_draft_tokens > 0
+        assert (stats.num_accepted_tokens == stats.num_draft_tokens) is all_accepted, stats.accepted_histogram
+
+
+def test_per_request_penalties_match_transformers(hf_reference):
+    """Requests of one batch with their own penalties each get transformers' tokens for their own value."""
+    spec, penalties = ARCH_SPECS[0], (1.3, 1.0, 0.7, 2.0)
+    wrapped = sparsespec.wrap(spec.build(), kv_capacity_tokens=KV_CAPACITY)
+    requests = [
+        wrapped.engine.new_request(i, prompt, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=value))
+        for i, (prompt, value) in enumerate(zip(BATCH.prompts, penalties, strict=True))
+    ]
+    stats = wrapped.engine.run(requests)
+    for i, (request, value) in enumerate(zip(requests, penalties, strict=True)):
+        expected = hf_reference(spec, BATCH, max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=value)
+        assert request.output_ids == generated_rows(expected, BATCH)[i], f"request {i} (penalty {value})"
+    assert stats.num_rounds > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_no_slot_leak(wrapped)
+
+
 # -- KV capacity ---------------------------------------------------------------------------------------------
 LARGEST_NEED = BATCH.width + MAX_NEW_TOKENS
 TOTAL_NEED = sum(BATCH.lengths) + len(BATCH.lengths) * MAX_NEW_TOKENS
@@ -360,4 +416,24 @@ def test_generate_batch_reports_a_bad_prompt_under_its_request_id(transformers_c
     good = [outputs[request_id] for request_id in ("req_0", "req_2", "req_3")]
     assert [o.generated_tokens for o in good] == transformers_cb[1]
     assert all(o.error is None and o.status == RequestStatus.FINISHED for o in good)
+    assert_no_slot_leak(wrapped)
+
+
+def test_a_config_with_eos_minus_one_generates(transformers_cb):
+    """transformers' ``generate_batch`` writes ``eos_token_id=-1`` ("no EOS") into a config that has none; a client
+    passing that config on (or a list holding -1) generates on the wrapper, with speculation and sampling, and
+    never stops at -1: transformers' greedy tokens, every row to ``max_new_tokens``."""
+    config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    with torch.inference_mode():
+        tiny_spec("llama").build().generate_batch(
+            CB_BATCH.prompts[:1], generation_config=config, continuous_batching_config=SMALL_CB, progress_bar=False
+        )
+    assert config.eos_token_id == -1, "transformers no longer writes -1: this test no longer shows the case"
+    wrapped = sparsespec.wrap(tiny_spec("llama").build(), kv_capacity_tokens=KV_CAPACITY)
+    outputs = wrapped.generate_batch(CB_BATCH.prompts, generation_config=config, progress_bar=False)
+    assert [o.generated_tokens for o in outputs.values()] == transformers_cb[1]
+    sequences = wrapped.generate(**CB_BATCH.kwargs(), generation_config=config, eos_token_id=[-1])
+    assert generated_rows(sequences, CB_BATCH) == transformers_cb[1]
+    sampled = wrapped.generate_batch(CB_BATCH.prompts, generation_config=config, do_sample=True, progress_bar=False)
+    assert all(o.finish_reason == "length" for o in sampled.values())
     assert_no_slot_leak(wrapped)

@@ -1,8 +1,9 @@
 """Tests of token selection: warpers bit-exact with transformers', greedy/sampled rows, stop-token suppression.
 
 The expected warped logits always come from transformers' own ``TemperatureLogitsWarper``,
-``TopKLogitsWarper`` and ``TopPLogitsWarper``, applied in that order to one row at a time, each only when
-transformers itself would apply it (temperature != 1, top_k > 0, top_p < 1).
+``TopKLogitsWarper``, ``TopPLogitsWarper`` and ``MinPLogitsWarper``, applied in that order to one row at a
+time, each only when transformers itself would apply it (temperature != 1, top_k > 0, top_p < 1, min_p set;
+torchspec's min_p of 0 is transformers' None).
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from attention import reference
 from torchspec.request import SamplingParams
@@ -31,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 VOCAB = 1000
 
 
-def _hf_warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def _hf_warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """transformers' warpers on a single ``[V]`` row, in transformers' order and with its on/off rules."""
     scores = row[None].clone()
     if temperature != 1.0:
@@ -40,27 +46,35 @@ def _hf_warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) ->
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1.0:
         scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0.0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
     return scores[0]
 
 
-def _warp(logits: torch.Tensor, params: list[tuple[float, int, float]]) -> torch.Tensor:
-    """warp_logits with per-row ``(temperature, top_k, top_p)``, built the way sample_tokens builds them."""
+# Per-row warper parameters: (temperature, top_k, top_p), or (temperature, top_k, top_p, min_p).
+Params = tuple[float, int, float] | tuple[float, int, float, float]
+
+
+def _warp(logits: torch.Tensor, params: list[Params]) -> torch.Tensor:
+    """warp_logits with per-row parameters, built the way sample_tokens builds them."""
+    min_p = torch.tensor([p[3] if len(p) > 3 else 0.0 for p in params], dtype=torch.float32)
     return warp_logits(
         logits.clone(),
         torch.tensor([p[0] for p in params], dtype=torch.float32),
         torch.tensor([p[1] for p in params], dtype=torch.int64),
         torch.tensor([p[2] for p in params], dtype=torch.float64),
         max_top_k=max(p[1] for p in params),
+        min_p=min_p if min_p.any() else None,
     )
 
 
-def _assert_rows_match_transformers(logits: torch.Tensor, params: list[tuple[float, int, float]]) -> None:
+def _assert_rows_match_transformers(logits: torch.Tensor, params: list[Params]) -> None:
     warped = _warp(logits, params)
     assert warped.shape == logits.shape and warped.dtype == torch.float32
-    for row, (t, k, p) in enumerate(params):
-        expected = _hf_warp(logits[row], t, k, p)
+    for row, param in enumerate(params):
+        expected = _hf_warp(logits[row], *param)
         assert torch.equal(warped[row], expected), (
-            f"row {row} (temperature={t}, top_k={k}, top_p={p}): "
+            f"row {row} (temperature, top_k, top_p[, min_p] = {param}): "
             f"{int((warped[row] != expected).sum())} entries differ; "
             f"kept {int(torch.isfinite(warped[row]).sum())} vs transformers {int(torch.isfinite(expected).sum())}"
         )
@@ -85,10 +99,16 @@ PARAM_SETS = [
     (0.9, 999, 0.99),
     (1.0, VOCAB, 0.8),
     (0.8, 0, 1e-9),  # 1 - top_p rounds to 1 in fp32: only the most likely token may survive
+    (1.0, 0, 1.0, 0.1),
+    (0.7, 0, 1.0, 0.02),
+    (1.0, 50, 1.0, 0.2),
+    (0.7, 50, 0.9, 0.05),  # min_p after top-k and top-p: its top probability is renormalised over what they keep
+    (1.3, 10, 0.3, 0.5),
+    (1.0, 0, 1.0, 1.0),  # only tokens as likely as the most likely one
 ]
 
 
-@pytest.mark.parametrize("params", PARAM_SETS, ids=[f"t{t}-k{k}-p{p}" for t, k, p in PARAM_SETS])
+@pytest.mark.parametrize("params", PARAM_SETS, ids=["-".join(map(str, p)) for p in PARAM_SETS])
 def test_warp_matches_transformers(params):
     """Every row is bit-identical (incl. the -inf pattern) to transformers' warpers for one parameter set."""
     _assert_rows_match_transformers(_random_logits(8, seed=PARAM_SETS.index(params)), [params] * 8)
@@ -103,9 +123,9 @@ def test_warp_per_row_parameters():
 @pytest.mark.parametrize("grid", [0.5, 1.0])
 def test_warp_with_tied_logits(grid):
     """Logits on a coarse grid (many ties at the top-k / top-p cut): ties are kept or dropped as transformers does."""
-    logits = (_random_logits(24, seed=2) / grid).round() * grid
+    logits = (_random_logits(48, seed=2) / grid).round() * grid
     assert len(torch.unique(logits[0])) < VOCAB // 20  # really many ties
-    params = [(t, k, p) for t in (1.0, 0.8) for k in (0, 3, 20, 100) for p in (1.0, 0.9, 0.5)]
+    params = [(t, k, p, m) for t in (1.0, 0.8) for k in (0, 3, 20, 100) for p in (1.0, 0.9, 0.5) for m in (0.0, 0.3)]
     _assert_rows_match_transformers(logits, params)
 
 
@@ -124,26 +144,44 @@ def test_warp_with_tied_logits_small_vocab():
             _assert_rows_match_transformers(logits, [(1.0, k, p)] * 4)
 
 
+def _rows_around(center: float) -> torch.Tensor:
+    """Unique rows ``[d, 0, c]``: ``d`` swept over 60 fp32 steps either way from ``center``, and a tiny third logit
+    ``c`` shifting the normaliser by sub-ulp amounts, so that probabilities take the fp32 values next to a cut."""
+    rows = []
+    for c in (-math.inf, -21.0, -20.0, -19.5, -19.0, -18.5, -18.0, -17.0):
+        for direction in (math.inf, -math.inf):
+            d = torch.tensor([center], dtype=torch.float32)
+            for _ in range(60):
+                rows.append([d.item(), 0.0, c])
+                d = torch.nextafter(d, torch.tensor(direction))
+    return torch.unique(torch.tensor(rows), dim=0)
+
+
 @pytest.mark.parametrize("top_p", [0.6, 0.7, 0.8, 0.9, 0.95, 0.99])
 def test_warp_top_p_boundary(top_p):
     """Cumulative probabilities on and a few fp32 ulps around 1 - top_p are cut exactly as transformers cuts them.
 
-    Rows ``[d, 0, c]``: ``d`` swept over fp32 steps around log((1 - top_p) / top_p) and a tiny third token ``c``
-    shifting the sum by sub-ulp amounts make the cumulative probability take the fp32 values next to 1 - top_p.
+    Rows ``[d, 0, c]`` with ``d`` around log((1 - top_p) / top_p) make the cumulative probability take the fp32
+    values next to 1 - top_p.
     """
-    center = torch.tensor([math.log((1 - top_p) / top_p)], dtype=torch.float32)
-    rows = []
-    for c in (-math.inf, -21.0, -20.0, -19.5, -19.0, -18.5, -18.0):
-        for direction in (math.inf, -math.inf):
-            d = center.clone()
-            for _ in range(60):
-                rows.append([d.item(), 0.0, c])
-                d = torch.nextafter(d, torch.tensor(direction))
-    logits = torch.unique(torch.tensor(rows), dim=0)
+    logits = _rows_around(math.log((1 - top_p) / top_p))
     cumulative = logits.sort(dim=-1).values.softmax(-1).cumsum(-1)[:, 1]
     threshold = torch.tensor(1 - top_p, dtype=torch.float32)
     assert (cumulative < threshold).any() and (cumulative == threshold).any() and (cumulative > threshold).any()
     _assert_rows_match_transformers(logits, [(1.0, 0, top_p)] * len(logits))
+
+
+@pytest.mark.parametrize("min_p", [0.2, 0.3, 0.5, 0.75])
+def test_warp_min_p_boundary(min_p):
+    """Probabilities on and a few fp32 ulps around min_p times the most likely one are cut exactly as transformers
+    cuts them: rows ``[d, 0, c]`` with ``d`` around log(min_p). Values chosen so that some probability lands
+    exactly on the cut."""
+    logits = _rows_around(math.log(min_p))
+    probs = logits.softmax(-1)
+    threshold = torch.tensor(min_p, dtype=torch.float32) * probs[:, 1]
+    kinds = [(probs[:, 0] < threshold).any(), (probs[:, 0] == threshold).any(), (probs[:, 0] > threshold).any()]
+    assert all(kinds), kinds
+    _assert_rows_match_transformers(logits, [(1.0, 0, 1.0, min_p)] * len(logits))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.05])
@@ -219,18 +257,24 @@ def test_sampling_is_reproducible_with_a_generator():
 
 
 MAX_FREQUENCY_ERROR = 0.02  # ~5.7 standard errors for 20000 samples; fixed before looking at any result
-DISTRIBUTION_CASES = [(1.0, 0, 1.0), (0.8, 4, 1.0), (1.5, 0, 0.8), (0.7, 3, 0.9)]
+DISTRIBUTION_CASES = [
+    (1.0, 0, 1.0, 0.0),
+    (0.8, 4, 1.0, 0.0),
+    (1.5, 0, 0.8, 0.0),
+    (0.7, 3, 0.9, 0.0),
+    (1.0, 0, 1.0, 0.3),
+]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", DISTRIBUTION_CASES)
-def test_sampling_distribution_matches_warped_softmax(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", DISTRIBUTION_CASES)
+def test_sampling_distribution_matches_warped_softmax(temperature, top_k, top_p, min_p):
     """20000 draws on a 5-token vocabulary follow softmax(transformers-warped logits); filtered tokens never drawn."""
     row = torch.tensor([1.0, 0.2, -0.5, 1.4, 0.6])
     n = 20000
-    params = [SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)] * n
+    params = [SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * n
     tokens = sample_tokens(row.expand(n, 5).clone(), params, torch.Generator().manual_seed(8))
     frequencies = torch.bincount(tokens, minlength=5).double() / n
-    expected = _hf_warp(row, temperature, top_k, top_p).double().softmax(-1)
+    expected = _hf_warp(row, temperature, top_k, top_p, min_p).double().softmax(-1)
     assert (frequencies[expected == 0] == 0).all()
     assert (frequencies - expected).abs().max() < MAX_FREQUENCY_ERROR, (frequencies, expected)
 
@@ -266,6 +310,10 @@ def test_suppressed_stop_tokens_are_never_sampled():
         {"top_p": 1.01},
         {"top_k": -1},
         {"max_new_tokens": -1},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": -1.3},
+        {"min_p": -0.1},
+        {"min_p": 1.5},
     ],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
 )
@@ -277,7 +325,17 @@ def test_validate_rejects_out_of_range(kwargs):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"temperature": 0.0}, {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": 0}, {"max_new_tokens": 0}],
+    [
+        {},
+        {"temperature": 0.0},
+        {"top_p": 1.0},
+        {"top_p": 1e-6},
+        {"top_k": 0},
+        {"max_new_tokens": 0},
+        {"repetition_penalty": 1e-3},
+        {"min_p": 0.0},
+        {"min_p": 1.0},
+    ],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "defaults",
 )
 def test_validate_accepts_boundary_values(kwargs):
@@ -313,10 +371,12 @@ def test_target_probs_without_top_p_are_the_warped_probabilities(dtype):
     assert kept[0] > 50 and kept[1] == VOCAB and kept[3] >= 1, kept  # ties beyond top_k, an uncut row
 
 
-def test_target_probs_with_top_p_are_dense():
-    """A row filtered by top-p needs its sorted vocabulary: the targets are the dense warped probabilities."""
+@pytest.mark.parametrize("filtered", [{"top_p": 0.9}, {"min_p": 0.05}], ids=["top_p", "min_p"])
+def test_target_probs_with_top_p_or_min_p_are_dense(filtered):
+    """A row filtered by top-p needs its sorted vocabulary, and by min-p its normaliser: the targets are the dense
+    warped probabilities."""
     logits = _random_logits(2, seed=12)
-    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.9), SamplingParams(temperature=1.0)]
+    params = [SamplingParams(temperature=0.7, top_k=20, **filtered), SamplingParams(temperature=1.0)]
     target = target_probs(logits, params, None, reference)
     assert isinstance(target, DenseProbs)
     torch.testing.assert_close(target.rows(torch.arange(2)), warped_probs(logits, params))

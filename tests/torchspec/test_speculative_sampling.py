@@ -8,7 +8,7 @@ reordered RNG call) fails a given test with probability at most 1e-3. Hard invar
 
 The engine samples from the global torch RNG (no generator is set), so every engine run is seeded with
 ``torch.manual_seed`` inside ``torch.random.fork_rng``. Reference distributions come from the model's own
-transformers forward and transformers' own warpers, never from torchspec's sampling code.
+transformers forward and transformers' own processors and warpers, never from torchspec's sampling code.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ from typing import Any
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
@@ -319,19 +325,36 @@ PROMPT = [10, 10, 14, 5, 7, 12, 13, 10, 3, 5]
 NUM_SAMPLES = 1200
 NEW_TOKENS = 4  # k = 2: one round drafts tokens 2 and 3 and adds a bonus 4th, or rejects and starts another
 K = 2
+PENALISED = "t0.8-rp1.5-minp0.15"
 SAMPLING = {
     "t1": {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
     "t0.7-k8": {"temperature": 0.7, "top_k": 8, "top_p": 1.0},  # the kind of transformers' default (top_k=50)
     "t0.7-k8-p0.9": {"temperature": 0.7, "top_k": 8, "top_p": 0.9},
+    # Every token so far penalised (the prompt's, and in a round the drafts before it): penalising the prompt's
+    # alone moves tokens 2-3 by a total variation of 0.16. min_p leaves 6 of the 16 tokens first. Found by search,
+    # as PROMPT: other penalties and min_p values put a min-p cut within 1e-4 of a reachable probability ratio.
+    PENALISED: {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.5, "min_p": 0.15},
 }
 
 
-def _warped_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, reachable: torch.Tensor):
-    """transformers' warpers (in transformers' order and on/off rules) and softmax of ``[R, V]`` logits.
+def _warped_probs(
+    logits: torch.Tensor,
+    inputs: torch.Tensor,
+    reachable: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
+):
+    """transformers' processors and warpers (in transformers' order and on/off rules) and softmax of ``[R, V]``
+    logits, row r after the tokens ``inputs[r]``.
 
     The engine's logits differ from transformers' by fp32 rounding, so on the ``reachable`` rows (prefixes of
-    nonzero probability) no top-k or top-p cut may be within 1e-4 of flipping.
+    nonzero probability) no top-k, top-p or min-p cut may be within 1e-4 of flipping.
     """
+    if repetition_penalty != 1.0:
+        logits = RepetitionPenaltyLogitsProcessor(repetition_penalty)(inputs, logits)
     scores = TemperatureLogitsWarper(temperature)(None, logits) if temperature != 1.0 else logits
     if top_k > 0:
         descending = scores[reachable].sort(dim=-1, descending=True).values
@@ -343,6 +366,11 @@ def _warped_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         gap = (cumulative - (1 - top_p)).abs().min()
         assert gap > 1e-4, f"a top-p cut is within {gap:.2g} of a cumulative probability"
         scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0.0:
+        probs = scores[reachable].softmax(-1)
+        gap = (probs / probs.amax(-1, keepdim=True) - min_p).abs().min()
+        assert gap > 1e-4, f"a min-p cut is within {gap:.2g} of a probability ratio"
+        scores = MinPLogitsWarper(min_p)(None, scores)
     return scores.softmax(-1).double()
 
 
@@ -364,7 +392,7 @@ def exact_joint(sampling: str, prompt: tuple[int, ...] = tuple(PROMPT), banned_b
         logits = logits.clone()  # (an inference tensor cannot be edited outside inference mode)
         if step < banned_before:
             logits[:, banned] = -math.inf
-        conditional = _warped_probs(logits, **SAMPLING[sampling], reachable=joint.flatten() > 0)
+        conditional = _warped_probs(logits, inputs, joint.flatten() > 0, **SAMPLING[sampling])
         joint = joint[..., None] * conditional.reshape((VOCAB,) * (step + 1))
     return joint
 
@@ -378,9 +406,11 @@ def _wrap(
     delayed_verify: bool | None = None,
     cuda_graphs: bool | None = None,
     unified_schedule: bool = False,
+    min_budget: int = 4,
 ):
     """A fresh model wrapped so all samples are one batch: prefill in one step, decode in lockstep (or, with
-    ``unified_schedule``, their rounds spread over the phases)."""
+    ``unified_schedule``, their rounds spread over the phases). The default ``min_budget``: pillar drafts attend
+    to 1 Top-K position + those since the verify, far from the target."""
     return sparsespec.wrap(
         SPEC.build(),
         draft=draft,
@@ -389,7 +419,7 @@ def _wrap(
         cuda_graphs=cuda_graphs,
         unified_schedule=unified_schedule,
         k=K,
-        min_budget=4,  # pillar drafts attend to 1 Top-K position + those since the verify: far from the target
+        min_budget=min_budget,
         sparsity=0.05,
         max_batch_size=num_samples,
         kv_capacity_tokens=num_samples * (len(prompt) + max_new_tokens + K),
@@ -527,15 +557,46 @@ def test_speculative_sampling_is_lossless(draft, draft_chain, cuda_graphs, delay
 LONG_TOKENS = 9  # past the first rounds: later ones launch ahead of a round in flight
 
 
+@functools.cache
+def plain_long_tokens(sampling: str) -> torch.Tensor:
+    """``[NUM_SAMPLES, LONG_TOKENS]`` tokens sampled by the engine without speculation from PROMPT."""
+    plain_run = generate(
+        _wrap(None, NUM_SAMPLES, PROMPT, LONG_TOKENS), 22, PROMPT, NUM_SAMPLES, LONG_TOKENS, **SAMPLING[sampling]
+    )
+    return torch.tensor([o.token_ids for o in plain_run])
+
+
+def _later_repeats(tokens: torch.Tensor) -> torch.Tensor:
+    """Per sample, how many of tokens 5-9 repeat one generated before them: what a repetition penalty that
+    missed some tokens (a round's accepted drafts, say) would raise."""
+    earlier = tokens[:, None, :] == tokens[:, NEW_TOKENS:, None]  # [N, later, all]: later token i equals token j
+    before = torch.arange(LONG_TOKENS)[None, :] < torch.arange(NEW_TOKENS, LONG_TOKENS)[:, None]
+    return (earlier & before).any(dim=-1).sum(dim=-1)
+
+
+def _p_values_of_later_tokens(tokens: torch.Tensor, sampling: str) -> dict[str, float]:
+    """Each of tokens 5-9 (past the exact joint's reach), the pair (8, 9) and the number of them that repeat an
+    earlier token against draft=None's samples."""
+    plain = plain_long_tokens(sampling)
+    p_values = {
+        f"t{i + 1}": two_sample(count_table(tokens[:, i : i + 1], VOCAB), count_table(plain[:, i : i + 1], VOCAB))
+        for i in range(NEW_TOKENS, LONG_TOKENS)
+    }
+    p_values["t8t9"] = two_sample(count_table(tokens[:, 7:9], VOCAB), count_table(plain[:, 7:9], VOCAB))
+    repeats = [torch.bincount(_later_repeats(t), minlength=LONG_TOKENS - NEW_TOKENS + 1) for t in (tokens, plain)]
+    p_values["repeats in t5-t9"] = two_sample(*repeats)
+    return p_values
+
+
 @pytest.mark.parametrize("cuda_graphs", [None, True], ids=["dynamic", "graphs"])
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 def test_rounds_ahead_sample_the_plain_distribution(sampling, cuda_graphs, monkeypatch):
     """Rounds launched while the request's last round is in flight start where only the device knows (the host
     assumes every draft of the round in flight accepted): their positions, lists, stop-token masks and
     rejection sampling must still give the target distribution. 1200 samples of 9 tokens with rounds ahead
-    against draft=None's: each of tokens 5-9 (made by rounds launched ahead) and the pair (8, 9), two-sample
-    chi-square, Bonferroni over the 6 comparisons; the run must have launched rounds ahead, with drafts both
-    accepted and rejected."""
+    against draft=None's: each of tokens 5-9 (made by rounds launched ahead), the pair (8, 9) and how many of
+    them repeat an earlier token, two-sample chi-square, Bonferroni over the 7 comparisons; the run must have
+    launched rounds ahead, with drafts both accepted and rejected."""
     wrapped = _wrap("pillar", NUM_SAMPLES, PROMPT, LONG_TOKENS, delayed_verify=True, cuda_graphs=cuda_graphs)
     assert wrapped.engine.rounds_ahead
     runner, launch, bound = wrapped.engine.runner, wrapped.engine.runner.launch, []
@@ -546,18 +607,30 @@ def test_rounds_ahead_sample_the_plain_distribution(sampling, cuda_graphs, monke
         [o.token_ids for o in generate(wrapped, 21, PROMPT, NUM_SAMPLES, LONG_TOKENS, **SAMPLING[sampling])]
     )
     stats = wrapped.last_stats
-    plain_run = generate(
-        _wrap(None, NUM_SAMPLES, PROMPT, LONG_TOKENS), 22, PROMPT, NUM_SAMPLES, LONG_TOKENS, **SAMPLING[sampling]
-    )
-    plain = torch.tensor([o.token_ids for o in plain_run])
     assert sum(bound) >= NUM_SAMPLES, f"only {sum(bound)} rounds launched ahead"
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    p_values = {
-        f"t{i + 1}": two_sample(count_table(ahead[:, i : i + 1], VOCAB), count_table(plain[:, i : i + 1], VOCAB))
-        for i in range(4, LONG_TOKENS)
-    }
-    p_values["t8t9"] = two_sample(count_table(ahead[:, 7:9], VOCAB), count_table(plain[:, 7:9], VOCAB))
+    p_values = _p_values_of_later_tokens(ahead, sampling)
     assert_p_values(p_values, f"rounds ahead {sampling} graphs={cuda_graphs} ({sum(bound)} launched ahead)")
+
+
+@pytest.mark.parametrize(
+    ("draft_chain", "cuda_graphs"), [(None, None), (False, None), (None, True)], ids=["chain", "stepwise", "graphs"]
+)
+def test_drafts_reading_every_position_penalise_as_their_verify(draft_chain, cuda_graphs):
+    """A draft budget covering the context makes each draft forward the target's own, so with a repetition
+    penalty and min_p its distribution equals its verify row's bit for bit (the same tokens penalised, the
+    round's earlier drafts included, the same min-p cut), and rejection sampling accepts every draft: chained
+    (later drafts sampled on the device), one draft per step, and on the chain graph's padded path. Every draft
+    accepted, the tokens are the verifies': the first 4 (each and adjacent pairs) against the exact
+    distribution, tokens 5-9 (rounds after accepted drafts, whose penalty holds them) against draft=None's
+    samples; Bonferroni over the 14 comparisons."""
+    wrapped = _wrap("pillar", NUM_SAMPLES, PROMPT, LONG_TOKENS, draft_chain, cuda_graphs=cuda_graphs, min_budget=64)
+    outputs = generate(wrapped, 23, PROMPT, NUM_SAMPLES, LONG_TOKENS, **SAMPLING[PENALISED])
+    stats = wrapped.last_stats
+    assert stats.num_draft_tokens >= NUM_SAMPLES * K and stats.num_accepted_tokens == stats.num_draft_tokens
+    tokens = torch.tensor([o.token_ids for o in outputs])
+    p_values = _p_values_against_exact(count_table(tokens[:, :NEW_TOKENS], VOCAB), exact_joint(PENALISED))
+    assert_p_values(p_values | _p_values_of_later_tokens(tokens, PENALISED), f"dense drafts, chain={draft_chain}")
 
 
 # -- min_new_tokens and EOS --------------------------------------------------------------------------------------
