@@ -66,7 +66,7 @@ OP_PARTS = {
         "build_metadata": "step metadata",
         "_pick": "token selection",
         "_learn_from_verify": "verify learning",
-        "_policy_lists": "draft lists",
+        "_round_lists": "draft lists",
     },
     "graphs": {"_fill": "graph inputs", "_run_forward": "replay (stand-in)"},
     "chain_graphs": {"_fill": "chain graph inputs", "_run": "chain replay (stand-in)"},

@@ -9,13 +9,21 @@ be computed once per session, on a model object of its own, and reused by every 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    ContinuousBatchingConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 VOCAB_SIZE = 128
 BOS_TOKEN_ID = 1
@@ -125,6 +133,14 @@ class Batch:
     def kwargs(self) -> dict[str, torch.Tensor]:
         input_ids, attention_mask = self.tensors()
         return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def small_continuous_batching() -> ContinuousBatchingConfig:
+    """transformers' continuous batching run small on the CPU (a cache sized from free memory takes ~30 s to set
+    up); its page size is ``block_size`` up to transformers 5.17 (the GPU machine's) and ``page_size`` since."""
+    parameters = inspect.signature(ContinuousBatchingConfig).parameters
+    page = "page_size" if "page_size" in parameters else "block_size"
+    return ContinuousBatchingConfig(**{page: 16}, num_blocks=32, max_batch_tokens=64)
 
 
 def generated_rows(sequences: torch.Tensor, batch: Batch, eos_token_ids: Sequence[int] = ()) -> list[list[int]]:

@@ -14,9 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import GenerationConfig
 
-from tests.torchspec.conftest import PAD_TOKEN_ID, Batch, assert_no_slot_leak, assert_same_tokens, tiny_spec
+from tests.torchspec.conftest import (
+    PAD_TOKEN_ID,
+    Batch,
+    assert_no_slot_leak,
+    assert_same_tokens,
+    small_continuous_batching,
+    tiny_spec,
+)
 from torchspec import sparsespec
 from torchspec.scheduler import Phase
 
@@ -164,8 +171,7 @@ def test_sampled_samples_differ_and_continue_their_prompt(options: dict[str, Any
     assert_no_slot_leak(wrapped)
 
 
-# transformers' continuous batching run small on the CPU (as in test_parity_tiny.py).
-SMALL_CB = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64)
+SMALL_CB = small_continuous_batching()
 
 
 def test_generate_batch_keys_samples_as_transformers() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import GenerationConfig
 from transformers.generation.continuous_batching import RequestStatus
 
 from tests.torchspec.conftest import (
@@ -21,6 +21,7 @@ from tests.torchspec.conftest import (
     assert_no_slot_leak,
     assert_same_tokens,
     generated_rows,
+    small_continuous_batching,
     tiny_spec,
 )
 from torchspec import sparsespec
@@ -364,8 +365,7 @@ def test_generate_batch_matches_padded_generate(spec, options, hf_reference, eos
     assert_no_slot_leak(wrapped)
 
 
-# transformers' continuous batching run small on the CPU: a cache sized from free memory takes ~30 s to set up.
-SMALL_CB = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64)
+SMALL_CB = small_continuous_batching()
 CB_BATCH = Batch((5, 11, 19), seed=2)
 
 
