@@ -304,7 +304,8 @@ class SparseSpecForCausalLM(torch.nn.Module):
             generated[row, : request.num_output_tokens] = torch.tensor(request.output_ids, dtype=input_ids.dtype)
         sequences = torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
         if resolved.config.return_dict_in_generate:
-            return GenerateDecoderOnlyOutput(sequences=sequences)
+            scores, logits = (_per_step(requests, name, width, sequences.device) for name in ("scores", "raw_logits"))
+            return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
         return sequences
 
     # -- generate_batch ----------------------------------------------------------------------------------
@@ -440,3 +441,20 @@ class SparseSpecForCausalLM(torch.nn.Module):
             ),
             child=child,
         )
+
+
+def _per_step(
+    requests: Sequence[Request], name: str, width: int, device: torch.device
+) -> tuple[torch.Tensor, ...] | None:
+    """transformers' ``scores`` or ``logits`` of ``generate`` (``name``: the requests' kept rows, see
+    ``SamplingParams.output_scores``): one ``[rows, V]`` fp32 tensor per generated position; a row past its own
+    sequence's end holds ``-inf`` (transformers would score the padding it feeds there). None when not kept."""
+    kept = [torch.cat(getattr(request, name)) if getattr(request, name) else None for request in requests]
+    present = [rows for rows in kept if rows is not None]
+    if not present:
+        return None
+    table = torch.full((len(requests), width, present[0].shape[-1]), float("-inf"))
+    for row, rows in enumerate(kept):
+        if rows is not None:
+            table[row, : rows.shape[0]] = rows
+    return tuple(table.to(device).unbind(1))

@@ -48,8 +48,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "use_mtp": (None, False),
     "dola_layers": (None,),
     "token_healing": (None, False),
-    "output_scores": (None, False),
-    "output_logits": (None, False),
     "output_attentions": (None, False),
     "output_hidden_states": (None, False),
 }
@@ -103,6 +101,8 @@ class ResolvedGeneration:
             min_p=0.0 if config.min_p is None else float(config.min_p),
             stop_token_ids=self.eos_token_ids,
             stopping_criteria=self.stopping_criteria,
+            output_scores=bool(config.return_dict_in_generate and config.output_scores),
+            output_logits=bool(config.return_dict_in_generate and config.output_logits),
         )
 
     def lengths_for(self, model: Any, input_length: int) -> tuple[int, int]:
@@ -149,7 +149,7 @@ def resolve_generation_config(
             f"generation option(s) {enabled} are not supported by torchspec; unset them "
             "(supported: max_new_tokens, max_length, min_new_tokens, min_length, do_sample, temperature, top_k, "
             "top_p, min_p, repetition_penalty, eos_token_id, pad_token_id, stop_strings, stopping_criteria, "
-            "num_return_sequences, return_dict_in_generate, streamer)"
+            "num_return_sequences, return_dict_in_generate with output_scores and output_logits, streamer)"
         )
     samples = 1 if config.num_return_sequences is None else config.num_return_sequences
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:

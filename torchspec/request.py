@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from torchspec.stopping import CriteriaBatch
 
 
@@ -41,6 +43,11 @@ class SamplingParams:
     # a bool or a bool per row), checked on the host as tokens are committed, on the rows of the request's batch
     # (``Request.criteria``, torchspec/stopping.py), with ``scores=None``. None: none (the commit loop pays nothing).
     stopping_criteria: Any = field(default=None, compare=False)
+    # Keep, for every output token, the distribution it was chosen from as transformers' ``generate`` reports it
+    # with ``output_scores`` (the logits after every processor and warper) and ``output_logits`` (the model's raw
+    # logits): ``Request.scores`` / ``Request.raw_logits``, one fp32 row of the vocabulary per token.
+    output_scores: bool = False
+    output_logits: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad value and its valid range."""
@@ -132,6 +139,10 @@ class Request:
     # Another sample of this request's prompt (``num_return_sequences``): the request whose prompt K/V it copies
     # instead of prefilling the prompt again, until the scheduler copies it or gives up (``Scheduler._share_prompts``).
     prefix_source: Request | None = field(default=None, repr=False)
+
+    # One [tokens, vocabulary] fp32 tensor per commit that appended tokens, when its params ask (see SamplingParams).
+    scores: list[torch.Tensor] = field(default_factory=list, repr=False)
+    raw_logits: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -26,7 +26,8 @@ from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.kv_offload import HostKVStore
 from torchspec.penalty import TokenPresence
-from torchspec.sampling import DenseProbs, WarpedLogits, suppress_stop_tokens, target_probs
+from torchspec.request import SamplingParams
+from torchspec.sampling import DenseProbs, WarpedLogits, reported_scores, suppress_stop_tokens, target_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.slot_table import SlotTable
 from torchspec.speculative import accept_greedy, accept_sampled
@@ -322,8 +323,8 @@ class Runner:
             parts += verify[1].parts()[1:]  # its rows' tokens are verified, not drawn: not read back
         return LaunchedStep(
             plan=plan,
-            first=_Pass(first_row, picks.emitting_rows),
-            verify=None if verify is None else _Pass(verify[0], verify[1].emitting_rows),
+            first=_Pass(first_row, picks.emitting_rows, picks.kept),
+            verify=None if verify is None else _Pass(verify[0], verify[1].emitting_rows, verify[1].kept),
             part_sizes=[part.shape[0] for part in parts],
             num_chain_forwards=len(chain) - 1,
             readback=_Readback(torch.cat(parts)),
@@ -666,6 +667,8 @@ class Runner:
         bases = np.fromiter(ends, np.int64, num_items) + 1 - counts
         owner = np.repeat(np.arange(num_items), counts)  # the request of each row
         row_number = np.arange(owner.size) - first[owner]  # the row's index within its request's rows
+        is_draft = np.fromiter((item.phase is Phase.DRAFT for item in items), bool, num_items)
+        kept = self._keep_rows(logits, params, first, counts, is_draft)
         min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, num_items)
         outputs = bases[owner] + row_number  # the output index each row samples (an upper bound for a bound item)
         below = outputs < min_new[owner]
@@ -680,7 +683,6 @@ class Runner:
                 when = margin < shifts[self._tensor(owner[unsure])]
                 suppress_stop_tokens(logits, unsure, [stops[i] for i in owner[unsure].tolist()], when)
         greedy = np.fromiter((p.greedy for p in params), bool, num_items)
-        is_draft = np.fromiter((item.phase is Phase.DRAFT for item in items), bool, num_items)
         # Verifies and final prompt chunks emit tokens: accepted drafts and the next token, on the device.
         emitting = np.flatnonzero((counts > 0) & ~is_draft).tolist()
         drafts = self._emitting_drafts([items[i] for i in emitting], emitting, drafted) if emitting else None
@@ -691,6 +693,8 @@ class Runner:
             rows = [self.table.row(request) for request in requests]
             penalised_drafts = drafts[row_index(penalising, self.device)]
             logits = self.presence.penalize_rows(logits, requests, rows, first[at], counts[at], penalised_drafts)
+        if kept is not None and kept.scores is not None:  # the rows as the processors left them, then warped
+            kept.scores = reported_scores(logits[kept.index], params, kept.owner, self.ops.top_k_positions)
         sampled_rows = np.flatnonzero(~greedy[owner] & ~is_draft[owner])
         target_index = np.full(owner.size, -1, dtype=np.int64)  # each sampled row's distribution in ``targets``
         target_index[sampled_rows] = np.arange(sampled_rows.size)
@@ -719,6 +723,35 @@ class Runner:
             drafts=drafts,
             accepted=accepted,
             next_token=next_token,
+            kept=kept,
+        )
+
+    def _keep_rows(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        first: np.ndarray,
+        counts: np.ndarray,
+        is_draft: np.ndarray,
+    ) -> _KeptRows | None:
+        """The rows of the emitting requests whose params keep scores or raw logits (None: no request does), with
+        the raw logits copied now, before any processor changes them; their scores come once the processors ran."""
+        keeping = [
+            i for i, p in enumerate(params) if counts[i] and not is_draft[i] and (p.output_scores or p.output_logits)
+        ]
+        if not keeping:
+            return None
+        rows = np.concatenate([np.arange(first[i], first[i] + counts[i]) for i in keeping])
+        index = self._tensor(rows)
+        starts = offsets(counts[keeping])[:-1].tolist()
+        raw = logits[index].float() if any(params[i].output_logits for i in keeping) else None
+        scores = logits.new_empty(0) if any(params[i].output_scores for i in keeping) else None  # filled later
+        return _KeptRows(
+            starts={int(first[i]): start for i, start in zip(keeping, starts, strict=True)},
+            index=index,
+            owner=np.repeat(np.asarray(keeping), counts[keeping]),
+            scores=scores,
+            raw=raw,
         )
 
     def _emitting_drafts(
@@ -884,11 +917,37 @@ class _Pass:
 
     first_row: list[int]
     emitting_rows: dict[int, int]  # first row of each emitting request -> its index in accepted / next_token
+    kept: _KeptRows | None = None
 
     def result(self, row: int, drafts: list[int], accepted: list[int], next_token: list[int]) -> StepResult:
-        """The verified tokens of the request whose rows start at ``row``, given the drafts it checked."""
+        """The verified tokens of the request whose rows start at ``row``, given the drafts it checked (and their
+        rows' scores and logits, where the request keeps them)."""
         index = self.emitting_rows[row]
-        return StepResult(tokens=[*drafts[: accepted[index]], next_token[index]], num_accepted=accepted[index])
+        tokens = [*drafts[: accepted[index]], next_token[index]]
+        result = StepResult(tokens=tokens, num_accepted=accepted[index])
+        if self.kept is not None and row in self.kept.starts:
+            kept, start = self.kept.on_host(), self.kept.starts[row]
+            for name, rows in (("scores", kept.scores), ("raw_logits", kept.raw)):
+                if rows is not None:
+                    setattr(result, name, rows[start : start + len(tokens)])
+        return result
+
+
+@dataclass
+class _KeptRows:
+    """A forward's logits rows of the requests that keep them (``SamplingParams.output_scores`` and
+    ``output_logits``), fp32 on the device until the step is collected."""
+
+    starts: dict[int, int]  # a request's first logits row -> its first row here
+    index: torch.Tensor  # [R]: the rows, in the forward's logits
+    owner: np.ndarray  # [R]: each row's plan index
+    scores: torch.Tensor | None  # [R, V]: transformers' scores (None: no request keeps them)
+    raw: torch.Tensor | None  # [R, V]: the raw logits (None: no request keeps them)
+
+    def on_host(self) -> _KeptRows:
+        """The rows in host memory (copied at the first call: the step is read back by then)."""
+        self.scores, self.raw = (None if rows is None else rows.cpu() for rows in (self.scores, self.raw))
+        return self
 
 
 @dataclass
@@ -916,6 +975,7 @@ class _Picks:
     drafts: torch.Tensor | None  # [emitting, n]: the drafts each checked (zeros past them)
     accepted: torch.Tensor | None  # [emitting]: drafts kept
     next_token: torch.Tensor | None  # [emitting]: the corrected or bonus token (or a prompt's first)
+    kept: _KeptRows | None = None  # the rows of requests that keep their scores or logits
 
     def parts(self) -> list[torch.Tensor]:
         """What the step reads back of this forward: tokens, accepted counts, next tokens (empty: none)."""

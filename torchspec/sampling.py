@@ -201,6 +201,20 @@ class WarpedLogits:
         return self._probs(self.logits[rows] / self.temperature[rows, None], rows)
 
 
+def reported_scores(
+    logits: torch.Tensor, params: Sequence[SamplingParams], owner: np.ndarray, select: TopK | None = None
+) -> torch.Tensor:
+    """transformers' ``scores`` of ``logits`` rows (row ``r`` by ``params[owner[r]]``, the stop-token and
+    repetition-penalty processors already applied): fp32, and for sampled rows warped as ``generate`` warps them
+    (temperature, top-k, top-p, min-p; filtered entries ``-inf``)."""
+    scores = logits.float()
+    sampled = np.flatnonzero(~np.fromiter((params[i].greedy for i in owner.tolist()), bool, owner.size))
+    if sampled.size:
+        rows = torch.as_tensor(sampled, device=logits.device)
+        scores[rows] = _warp_columns(params, owner[sampled], logits.device).warp(logits[rows], select=select)
+    return scores
+
+
 def target_probs(
     logits: torch.Tensor, params: Sequence[SamplingParams], owner: np.ndarray | None, ops: ModuleType
 ) -> DenseProbs | WarpedLogits:

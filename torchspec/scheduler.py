@@ -60,6 +60,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torchspec.drafting import DraftPolicy
 from torchspec.kv_cache import SlotAllocator
@@ -67,6 +68,9 @@ from torchspec.kv_offload import OffloadStats
 from torchspec.request import DraftRound, FinishReason, Request, RequestStatus
 from torchspec.round_length import RoundLength
 from torchspec.stopping import CriteriaBatch
+
+if TYPE_CHECKING:
+    import torch
 
 # Slots a request running with ``offload`` gets at a time, at least (fewer top-ups, each a slot-table write).
 SLOT_CHUNK = 32
@@ -182,6 +186,10 @@ class StepResult:
     num_accepted: int = 0  # drafts accepted (verify)
     draft_tokens: list[int] = field(default_factory=list)  # draft step: the drafted token(s), one per forward
     draft_entropy: float | None = None  # draft step: entropy of the draft's distribution (if the policy asks)
+    # One row per token of ``tokens`` (host, fp32), when the request's params ask: ``SamplingParams.output_scores``
+    # and ``output_logits``.
+    scores: torch.Tensor | None = None
+    raw_logits: torch.Tensor | None = None
 
 
 class Scheduler:
@@ -591,7 +599,7 @@ class Scheduler:
                 request.num_computed_tokens += 1 + result.num_accepted
                 if self.policy is not None:  # a round ran (its length set or not: one launched ahead): start afresh
                     request.round = DraftRound(pattern=request.round.pattern, recent_start=request.round.recent_start)
-            if self._append(request, result.tokens):
+            if self._append(request, result):
                 finished.append(request)
         return finished
 
@@ -607,11 +615,12 @@ class Scheduler:
         stats.drafts_per_round.append(drafted)
         stats.context_per_round.append(request.num_computed_tokens)  # where it started (a bound item's is exact now)
 
-    def _append(self, request: Request, tokens: list[int]) -> bool:
-        """Append accepted tokens, up to and including the first that stops the request: a stop token (once
-        ``min_new_tokens`` are out), the first after which its stopping criteria say stop, or the one that
-        reaches ``max_new_tokens``; True when the request finished. The tokens past it are discarded."""
-        params, produced = request.params, request.num_output_tokens
+    def _append(self, request: Request, result: StepResult) -> bool:
+        """Append accepted tokens (and their scores, when kept), up to and including the first that stops the
+        request: a stop token (once ``min_new_tokens`` are out), the first after which its stopping criteria say
+        stop, or the one that reaches ``max_new_tokens``; True when the request finished. The tokens past it are
+        discarded."""
+        params, produced, tokens = request.params, request.num_output_tokens, result.tokens
         kept, reason = len(tokens), None
         for count, token in enumerate(tokens, start=produced + 1):  # outputs once this token is appended
             if token in params.stop_token_ids and count >= params.min_new_tokens:
@@ -629,6 +638,9 @@ class Scheduler:
             if stop is not None:
                 kept, reason = stop + 1, FinishReason.STOP
         request.token_ids.extend(tokens[:kept])
+        for rows, kept_rows in ((result.scores, request.scores), (result.raw_logits, request.raw_logits)):
+            if rows is not None and kept:
+                kept_rows.append(rows[:kept])
         if request.first_token_time is None and kept:
             request.first_token_time = time.perf_counter()
         if reason is not None:

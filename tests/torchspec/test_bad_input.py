@@ -185,7 +185,7 @@ def test_generate_batch_rejects_bad_option(model: Any, options: dict, message: s
 UNSUPPORTED_OPTIONS = [
     pytest.param({"num_beams": 2}, "num_beams", id="num_beams"),
     pytest.param({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size", id="no_repeat_ngram_size"),
-    pytest.param({"output_scores": True, "return_dict_in_generate": True}, "output_scores", id="output_scores"),
+    pytest.param({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions", id="attentions"),
     pytest.param({"foo": 1}, "foo", id="unknown-kwarg"),
 ]
 
