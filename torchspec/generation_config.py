@@ -16,41 +16,51 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from torchspec.request import SamplingParams
 
-# GenerationConfig fields torchspec does not implement, with the values that mean "off".
-_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "num_beams": (None, 1),
-    "num_beam_groups": (None, 1),
-    "penalty_alpha": (None,),
-    "encoder_repetition_penalty": (None, 1.0),
-    "no_repeat_ngram_size": (None, 0),
-    "encoder_no_repeat_ngram_size": (None, 0),
-    "bad_words_ids": (None,),
-    "force_words_ids": (None,),
-    "constraints": (None,),
-    "sequence_bias": (None,),
-    "top_h": (None,),
-    "typical_p": (None, 1.0),
-    "epsilon_cutoff": (None, 0.0),
-    "eta_cutoff": (None, 0.0),
-    "diversity_penalty": (None, 0.0),
-    "guidance_scale": (None, 1.0),
-    "suppress_tokens": (None,),
-    "begin_suppress_tokens": (None,),
-    "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,),
-    "exponential_decay_length_penalty": (None,),
-    "renormalize_logits": (None, False),
-    "remove_invalid_values": (None, False),
-    "max_time": (None,),
-    "watermarking_config": (None,),
-    "prompt_lookup_num_tokens": (None,),
-    "assistant_early_exit": (None,),
-    "use_mtp": (None, False),
-    "dola_layers": (None,),
-    "token_healing": (None, False),
-    "output_attentions": (None, False),
-    "output_hidden_states": (None, False),
+# GenerationConfig fields torchspec does not implement, with the values that mean "off", by why each is refused.
+_REFUSED: dict[str, dict[str, tuple[Any, ...]]] = {
+    "another search: torchspec decodes one sequence per request, which speculation verifies": {
+        "num_beams": (None, 1),
+        "num_beam_groups": (None, 1),
+        "diversity_penalty": (None, 0.0),
+        "constraints": (None,),
+        "force_words_ids": (None,),
+        "penalty_alpha": (None,),
+        "dola_layers": (None,),
+        "guidance_scale": (None, 1.0),
+    },
+    "another speculation method: torchspec drafts with the model itself": {
+        "prompt_lookup_num_tokens": (None,),
+        "assistant_early_exit": (None,),
+        "use_mtp": (None, False),
+    },
+    "a logits processor not applied yet (it must act alike in drafts and verifies to keep sampling exact)": {
+        "encoder_repetition_penalty": (None, 1.0),
+        "no_repeat_ngram_size": (None, 0),
+        "encoder_no_repeat_ngram_size": (None, 0),
+        "bad_words_ids": (None,),
+        "sequence_bias": (None,),
+        "top_h": (None,),
+        "typical_p": (None, 1.0),
+        "epsilon_cutoff": (None, 0.0),
+        "eta_cutoff": (None, 0.0),
+        "suppress_tokens": (None,),
+        "begin_suppress_tokens": (None,),
+        "forced_bos_token_id": (None,),
+        "forced_eos_token_id": (None,),
+        "exponential_decay_length_penalty": (None,),
+        "renormalize_logits": (None, False),
+        "remove_invalid_values": (None, False),
+        "watermarking_config": (None,),
+    },
+    "not made by torchspec's paged forwards (attention weights, hidden states, prompt re-tokenising, time limits)": {
+        "output_attentions": (None, False),
+        "output_hidden_states": (None, False),
+        "token_healing": (None, False),
+        "max_time": (None,),
+    },
 }
+_OFF_VALUES = {name: off for options in _REFUSED.values() for name, off in options.items()}
+
 
 # generate() arguments outside GenerationConfig that torchspec does not implement. Clients pass some of them
 # with values that ask for nothing (a trainer's `synced_gpus=False`, an empty `LogitsProcessorList`): those are
@@ -145,8 +155,13 @@ def resolve_generation_config(
         raise ValueError(f"unsupported generate argument(s) {sorted(model_kwargs)}")
     enabled = [name for name, off in _OFF_VALUES.items() if getattr(config, name, None) not in off]
     if enabled:
+        why = "; ".join(
+            f"{', '.join(names)}: {reason}"
+            for reason, options in _REFUSED.items()
+            if (names := [name for name in options if name in enabled])
+        )
         raise ValueError(
-            f"generation option(s) {enabled} are not supported by torchspec; unset them "
+            f"generation option(s) {enabled} are not supported by torchspec ({why}); unset them "
             "(supported: max_new_tokens, max_length, min_new_tokens, min_length, do_sample, temperature, top_k, "
             "top_p, min_p, repetition_penalty, eos_token_id, pad_token_id, stop_strings, stopping_criteria, "
             "num_return_sequences, return_dict_in_generate with output_scores and output_logits, streamer)"

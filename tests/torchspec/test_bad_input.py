@@ -183,8 +183,8 @@ def test_generate_batch_rejects_bad_option(model: Any, options: dict, message: s
 
 
 UNSUPPORTED_OPTIONS = [
-    pytest.param({"num_beams": 2}, "num_beams", id="num_beams"),
-    pytest.param({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size", id="no_repeat_ngram_size"),
+    pytest.param({"num_beams": 2}, "num_beams: another search", id="num_beams"),
+    pytest.param({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size: a logits processor", id="no_repeat_ngram_size"),
     pytest.param({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions", id="attentions"),
     pytest.param({"foo": 1}, "foo", id="unknown-kwarg"),
 ]
