@@ -40,20 +40,18 @@ def build_lists(
     rows: np.ndarray,
     last_positions: np.ndarray,
     fixed: Sequence[torch.Tensor],
-    which: np.ndarray,
     recent_from: np.ndarray | None,
     fixed_limit: torch.Tensor | None = None,
 ) -> tuple[KVView, np.ndarray]:
     """Per-KV-head slot lists (``[*shape, N]``: ``[layers, Hkv, N]``, or ``[Hkv, N]`` for one layer's
     selections), built in a few launches whatever the batch: list ``j`` (slot-table row ``rows[j]``)
-    holds the positions of ``fixed[which[j]]`` (``[n]`` or ``[..., Hkv, n]``; each tensor is sent once, however
-    many lists read it), those above ``fixed_limit[j]`` (device; None: none) made padding, then when
-    ``recent_from`` is given every position from ``recent_from[j]`` to ``last_positions[j]``. Also returns the
-    lists' offsets (host)."""
+    holds the positions of ``fixed[j]`` (``[n]`` or ``[..., Hkv, n]``), those above ``fixed_limit[j]`` (device;
+    None: none) made padding, then when ``recent_from`` is given every position from ``recent_from[j]`` to
+    ``last_positions[j]``. Also returns the lists' offsets (host)."""
     device = table.device
     sources = [f.expand(*shape, -1) if f.dim() == 1 else f for f in fixed]
     source_starts = offsets(np.fromiter((f.shape[-1] for f in sources), np.int64, len(sources)))
-    fixed_lengths = np.diff(source_starts)[which]
+    fixed_lengths = np.diff(source_starts)
     ends = last_positions + 1
     first_recent = ends if recent_from is None else recent_from  # None: no run
     recent_lengths = ends - first_recent
@@ -61,7 +59,7 @@ def build_lists(
     indptr, fixed_starts, recent_starts = offsets(lengths), offsets(fixed_lengths), offsets(recent_lengths)
     meta = to_device(
         np.stack([rows, lengths, indptr[:-1], fixed_lengths, fixed_starts[:-1],
-                  recent_lengths, recent_starts[:-1], first_recent, source_starts[which]]),
+                  recent_lengths, recent_starts[:-1], first_recent, source_starts[:-1]]),
         device,
     )  # fmt: skip
     row, length, start, fixed_length, fixed_start, recent_length, recent_start, first_recent, source_start = meta

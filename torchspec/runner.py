@@ -225,8 +225,7 @@ class Runner:
         shape = (len(self.policy.sparse_layers), self.policy.num_kv_heads)
         limit = None if shifts is None else self._tensor(firsts) - shifts
         view, indptr = build_lists(
-            self.table, shape, np.asarray(rows, np.int64), firsts + chains - 1, fixed, np.arange(count), recent_from,
-            limit,
+            self.table, shape, np.asarray(rows, np.int64), firsts + chains - 1, fixed, recent_from, limit,
         )  # fmt: skip
         # Forward j's list ends at draft j: its chain's drafts after j left off (past its chain: empty).
         forward = np.arange(chains.max())[:, None]
@@ -267,7 +266,7 @@ class Runner:
             rows = np.fromiter((self.table.row(item.request) for item in items), np.int64, len(items))
             firsts = np.fromiter((item.first_position for item in items), np.int64, len(items))
             shape = (self.num_kv_heads[layer],)
-            return build_lists(self.table, shape, rows, firsts, positions, np.arange(len(items)), None)[0]
+            return build_lists(self.table, shape, rows, firsts, positions, None)[0]
 
         return select
 
@@ -693,7 +692,7 @@ class Runner:
             rows = [self.table.row(request) for request in requests]
             penalised_drafts = drafts[row_index(penalising, self.device)]
             logits = self.presence.penalize_rows(logits, requests, rows, first[at], counts[at], penalised_drafts)
-        if kept is not None and kept.scores is not None:  # the rows as the processors left them, then warped
+        if kept is not None and kept.keeps_scores:  # the rows as the processors left them, then warped
             kept.scores = reported_scores(logits[kept.index], params, kept.owner, self.ops.top_k_positions)
         sampled_rows = np.flatnonzero(~greedy[owner] & ~is_draft[owner])
         target_index = np.full(owner.size, -1, dtype=np.int64)  # each sampled row's distribution in ``targets``
@@ -745,12 +744,11 @@ class Runner:
         index = self._tensor(rows)
         starts = offsets(counts[keeping])[:-1].tolist()
         raw = logits[index].float() if any(params[i].output_logits for i in keeping) else None
-        scores = logits.new_empty(0) if any(params[i].output_scores for i in keeping) else None  # filled later
         return _KeptRows(
             starts={int(first[i]): start for i, start in zip(keeping, starts, strict=True)},
             index=index,
             owner=np.repeat(np.asarray(keeping), counts[keeping]),
-            scores=scores,
+            keeps_scores=any(params[i].output_scores for i in keeping),
             raw=raw,
         )
 
@@ -941,8 +939,9 @@ class _KeptRows:
     starts: dict[int, int]  # a request's first logits row -> its first row here
     index: torch.Tensor  # [R]: the rows, in the forward's logits
     owner: np.ndarray  # [R]: each row's plan index
-    scores: torch.Tensor | None  # [R, V]: transformers' scores (None: no request keeps them)
+    keeps_scores: bool  # some request keeps transformers' scores (``scores`` is set once the processors ran)
     raw: torch.Tensor | None  # [R, V]: the raw logits (None: no request keeps them)
+    scores: torch.Tensor | None = None  # [R, V]: transformers' scores
 
     def on_host(self) -> _KeptRows:
         """The rows in host memory (copied at the first call: the step is read back by then)."""

@@ -207,7 +207,7 @@ def reported_scores(
     """transformers' ``scores`` of ``logits`` rows (row ``r`` by ``params[owner[r]]``, the stop-token and
     repetition-penalty processors already applied): fp32, and for sampled rows warped as ``generate`` warps them
     (temperature, top-k, top-p, min-p; filtered entries ``-inf``)."""
-    scores = logits.float()
+    scores = logits.to(torch.float32, copy=True)  # written below: never the caller's rows
     sampled = np.flatnonzero(~np.fromiter((params[i].greedy for i in owner.tolist()), bool, owner.size))
     if sampled.size:
         rows = torch.as_tensor(sampled, device=logits.device)
