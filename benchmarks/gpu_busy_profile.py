@@ -22,26 +22,19 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from torchspec import engine
+from torchspec.bench import gpu_time
 from torchspec.bench.w1 import SAMPLING, warmed_up
 
 
 def report(prof: profile, wall_ms: float, steps: int) -> None:
     """Busy time (union of kernel intervals), span and kernel totals, per step."""
-    kernels = [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
-    intervals = sorted((event.time_range.start, event.time_range.end) for event in kernels)
-    busy, start, end = 0, None, None
-    for first, last in intervals:
-        if end is None or first > end:
-            busy += 0 if end is None else end - start
-            start, end = first, last
-        else:
-            end = max(end, last)
-    busy += 0 if end is None else end - start
-    span = max(last for _, last in intervals) - intervals[0][0]
+    kernels = gpu_time.kernels(prof)
+    busy = gpu_time.busy_us(kernels)
+    span = max(k.end_us for k in kernels) - min(k.start_us for k in kernels)
     totals, counts = collections.Counter(), collections.Counter()
-    for event in kernels:
-        totals[event.name[:60]] += event.time_range.end - event.time_range.start
-        counts[event.name[:60]] += 1
+    for kernel in kernels:
+        totals[kernel.name[:60]] += kernel.end_us - kernel.start_us
+        counts[kernel.name[:60]] += 1
     print(
         f"WINDOW steps={steps} wall_ms_per_step={wall_ms / steps:.2f} gpu_busy_ms_per_step={busy / 1e3 / steps:.2f} "
         f"gpu_span_ms={span / 1e3 / steps:.2f} kernels_per_step={len(kernels) / steps:.0f}",

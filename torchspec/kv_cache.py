@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,7 +102,7 @@ def auto_capacity_tokens(
     """Size the pool from free memory, after the weights (already loaded) and ``workspace_bytes`` (what steps
     allocate besides the pool: logits, sampling, graphs; see ``step_workspace_bytes``).
 
-    On a GPU the pool takes ``device_fraction`` of what is left (memory the allocator caches counts as free), with
+    On a GPU the pool takes ``device_fraction`` of what is left (after the allocator's cache is emptied), with
     no cap from the model's context length: requests longer than the batch's share of the pool only wait when
     memory itself runs out. Each token also costs ``step_bytes_per_token`` of step buffers that grow with the
     context the batch holds (slot lists, verify mass; see ``step_list_bytes``). On a CPU it takes at most a
@@ -110,9 +111,12 @@ def auto_capacity_tokens(
     """
     per_token = bytes_per_token(layers, dtype)
     if device.type == "cuda":
+        # An earlier engine's pool, dropped but kept in PyTorch's allocator cache, goes back to the driver first.
+        # What the cache still holds after that is not counted: blocks that smaller tensors have split since
+        # cannot hold a pool's large tensors (counting them ran W1's sweep out of memory at its third engine).
+        gc.collect()
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
-        # Blocks PyTorch's allocator holds but no tensor uses (an earlier engine's pool) are free to reuse.
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         tokens = int((free - workspace_bytes) * device_fraction / (per_token + step_bytes_per_token))
     else:
         budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * _HOST_MEMORY_FRACTION)

@@ -17,7 +17,7 @@ TOKENS_PLOT = "tokens_per_s.png"
 ACCEPTANCE_PLOT = "acceptance_vs_context.png"
 
 
-def _figure(width: float = 8, height: float = 4.5) -> Any:
+def new_figure(width: float = 8, height: float = 4.5) -> Any:
     """A matplotlib figure and its axes, drawn off screen (no pyplot: no global backend or figure state)."""
     from matplotlib.figure import Figure
 
@@ -25,7 +25,7 @@ def _figure(width: float = 8, height: float = 4.5) -> Any:
     return figure, figure.subplots()
 
 
-def _save(figure: Any, axes: Any, path: Path, xlabel: str, ylabel: str) -> None:
+def save_plot(figure: Any, axes: Any, path: Path, xlabel: str, ylabel: str) -> None:
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.set_ylim(0, None)
@@ -39,12 +39,12 @@ def _save(figure: Any, axes: Any, path: Path, xlabel: str, ylabel: str) -> None:
 def plot_acceptance_vs_context(curves: Mapping[str, Sequence[dict]], path: Path, bin_tokens: int) -> None:
     """Mean accepted drafts per round against context length: one line per label, one point per context bin
     (``{context_from, mean_accepted}``, at the bin's middle)."""
-    figure, axes = _figure()
+    figure, axes = new_figure()
     for label, bins in curves.items():
         middles = [b["context_from"] + bin_tokens / 2 for b in bins]
         axes.plot(middles, [b["mean_accepted"] for b in bins], marker="o", label=label)
     axes.set_xlim(0, None)
-    _save(figure, axes, path, "context length (tokens)", "accepted drafts per round")
+    save_plot(figure, axes, path, "context length (tokens)", "accepted drafts per round")
 
 
 def _label(run: MethodRun, sweep: str | None) -> str:
@@ -56,23 +56,23 @@ def _plot_tokens_per_s(runs: Sequence[MethodRun], path: Path, sweep: str | None)
     methods = list(dict.fromkeys(run.method for run in runs))
     values = list(dict.fromkeys(run.sweep_value for run in runs))
     width = 0.8 / len(values)
-    figure, axes = _figure(max(6.0, 1.2 * len(methods) * len(values)))
+    figure, axes = new_figure(max(6.0, 1.2 * len(methods) * len(values)))
     for offset, value in enumerate(values):
         chosen = {run.method: run.tokens_per_s for run in runs if run.sweep_value == value}
         xs = [methods.index(method) + (offset - (len(values) - 1) / 2) * width for method in chosen]
         bars = axes.bar(xs, list(chosen.values()), width, label=None if sweep is None else f"{sweep}={value}")
         axes.bar_label(bars, fmt="%.1f")
     axes.set_xticks(range(len(methods)), methods)
-    _save(figure, axes, path, "method", "output tokens/s")
+    save_plot(figure, axes, path, "method", "output tokens/s")
 
 
 def _plot_sweep(runs: Sequence[MethodRun], path: Path, sweep: str) -> None:
     """Output tokens/s against the swept value, one line per method."""
-    figure, axes = _figure()
+    figure, axes = new_figure()
     for method in dict.fromkeys(run.method for run in runs):
         points = [(run.sweep_value, run.tokens_per_s) for run in runs if run.method == method]
         axes.plot(*zip(*points, strict=True), marker="o", label=method)
-    _save(figure, axes, path, sweep, "output tokens/s")
+    save_plot(figure, axes, path, sweep, "output tokens/s")
 
 
 def _cell(value: float | None, digits: int = 1) -> str:

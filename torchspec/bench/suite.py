@@ -2,6 +2,10 @@
 
     torchspec bench --methods none,pillar_recent,hf --num-prompts 256 --output-len 8192 --out bench-w1
     torchspec bench --methods none,pillar_recent --sweep output-len=1024,2048,4096,8192 --out bench-lengths
+    torchspec bench --model-config qwen3-8b --max-batch-size 64 --context 8192 --methods none,pillar_recent
+
+``--model-config`` measures what each kind of engine step costs on a large model's shape with random weights
+(plain, draft and verify steps, whole rounds; no acceptance), see torchspec/bench/step_cost.py.
 
 Every argument is checked before the model loads: a typo costs a second, not a model load and the runs before
 the bad one.
@@ -24,10 +28,12 @@ import torch
 from tqdm import tqdm
 
 from torchspec.arguments import add_device_arguments, at_least, model_dtype
+from torchspec.bench import step_cost
 from torchspec.bench.methods import METHODS, methods_error
 from torchspec.bench.records import environment
 from torchspec.bench.report import write_report
 from torchspec.bench.runs import MethodRun, Workload
+from torchspec.config import DRAFT_POLICIES
 from torchspec.models import DEFAULT_MODEL_NAME, load_model
 from torchspec.workloads import read_prompts
 
@@ -119,6 +125,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep", type=sweep, help="run every method at each value: output-len=1024,2048,... or batch=32,64,..."
     )
+    parser.add_argument(
+        "--model-config",
+        type=step_cost.config_name,
+        help="measure engine step costs on a random-weight model of this shape instead of a workload "
+        f"({', '.join(step_cost.MODEL_CONFIGS)})",
+    )
+    parser.add_argument(
+        "--context", type=at_least(1), default=8192, help="prompt tokens a request, with --model-config (default 8192)"
+    )
     parser.add_argument("--out", type=writable_dir, default="bench-report", help="the report's folder")
     parser.add_argument(
         "--threads", type=at_least(1), help="torch's CPU threads (default: torch's own; 1 suffers least on a busy CPU)"
@@ -203,6 +218,57 @@ def _run_methods(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[
     return runs, points[0][1]
 
 
+def _step_cost_error(args: argparse.Namespace, dtype: torch.dtype) -> str | None:
+    """Why ``--model-config`` cannot run as asked (None: it can), found before the model is built."""
+    if args.model is not None:
+        return "--model and --model-config exclude each other: one measures a model, the other a shape"
+    if args.sweep is not None:
+        return "--sweep does not apply to --model-config: run it once per batch size or context"
+    peers = [name for name in args.methods if name not in ("none", *DRAFT_POLICIES)]
+    if peers:
+        return f"--model-config measures torchspec's engine steps; drop the peers {', '.join(peers)} from --methods"
+    return step_cost.memory_error(args.model_config, args.max_batch_size, args.context, args.device, dtype)
+
+
+def _step_costs(args: argparse.Namespace) -> int:
+    """``--model-config``: each method's step costs on a random-weight model of that shape, reported into
+    ``args.out``."""
+    dtype = getattr(torch, model_dtype(args.dtype, args.device))
+    problem = _step_cost_error(args, dtype)
+    if problem:
+        raise ValueError(problem)
+    model = step_cost.build_model(args.model_config, args.device, dtype)
+    settings = dict(
+        batch=args.max_batch_size,
+        context=args.context,
+        temperature=args.temperature,
+        samples=step_cost.SAMPLES,
+        seed=args.seed,
+    )
+    costs = []
+    with _threads(args.threads), tqdm(args.methods, desc="step cost", unit="method") as bar:
+        for method in bar:
+            bar.set_postfix_str(method)
+            costs += step_cost.method_costs(model, method, **settings)
+    results = {
+        "command": _command(args),
+        "environment": environment(args.device, dtype),
+        "model_config": args.model_config,
+        "shape": step_cost.MODEL_CONFIGS[args.model_config],
+        "batch": args.max_batch_size,
+        "context": args.context,
+        "temperature": args.temperature,
+    }
+    written = step_cost.write_report(args.out, results, costs)
+    for cost in costs:
+        gpu = ""
+        if cost.gpu_busy_ms is not None:
+            gpu = f" (GPU busy {cost.gpu_busy_ms:.2f}, attention {cost.attention_ms:.2f} ms)"
+        print(f"{step_cost.label(cost)}: {cost.wall_ms:.2f} ms{gpu}")
+    print(f"report: {written[1]} ({len(written)} files in {args.out})")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """Run every method at every point, write the report into ``args.out``, print a summary."""
     if importlib.util.find_spec("matplotlib") is None:
@@ -210,6 +276,8 @@ def main(args: argparse.Namespace) -> int:
     note = _busy_note()
     if note:
         print(note, file=sys.stderr)
+    if args.model_config is not None:
+        return _step_costs(args)
     torch.manual_seed(args.seed)
     dtype = model_dtype(args.dtype, args.device)
     model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)

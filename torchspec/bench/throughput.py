@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -139,9 +138,6 @@ def measure(
     """One ``generate_batch`` over ``prompts`` with ``draft``, at most ``max_batch_size`` requests at once (None:
     all of them), after an untimed one of ``warmup_tokens`` tokens each when asked; its throughput record."""
     device = next(model.parameters()).device
-    if device.type == "cuda":  # the last setting's pool must be gone before this one sizes its own
-        gc.collect()
-        torch.cuda.empty_cache()
     wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=max_batch_size or len(prompts), **options)
 
     def generate(new_tokens: int) -> list[RequestOutput]:
