@@ -46,6 +46,7 @@ def test_step_costs_of_plain_steps_and_rounds_of_two_lengths(bench: Bench, tmp_p
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["model_config"] == "tiny" and results["shape"] == TINY
     assert (results["batch"], results["context"]) == (3, 40)
+    assert "--context 40" in results["command"] and "--output-len" not in results["command"]  # this mode's options
     steps = [(cost["method"], cost["step"], cost["k"]) for cost in results["costs"]]
     assert steps == [("none", "plain", 8), ("pillar_recent", "round", 8), ("pillar_recent", "round", step_cost.SHORT_K)]
     for cost in results["costs"]:

@@ -175,11 +175,17 @@ def _json(value: Any) -> Any:
     return value if value is None or isinstance(value, (bool, int, float)) else _text(value)
 
 
+#: Options of one mode only: a workload's, or the step costs' (``--model-config``).
+WORKLOAD_OPTIONS = {"num_prompts", "output_len", "natural_lengths", "warmup_tokens", "prompts_file", "sweep"}
+STEP_COST_OPTIONS = {"model_config", "context"}
+
+
 def _command(args: argparse.Namespace) -> str:
-    """The command line that repeats this run, every option spelled out."""
+    """The command line that repeats this run, every option of its mode spelled out."""
     words = ["torchspec", "bench"]
+    other_mode = WORKLOAD_OPTIONS if args.model_config is not None else STEP_COST_OPTIONS
     for name, value in vars(args).items():
-        if name != "command" and value is not None and value is not False:
+        if name != "command" and name not in other_mode and value is not None and value is not False:
             words += ["--" + name.replace("_", "-")] + ([] if value is True else [_text(value)])
     return shlex.join(words)
 
