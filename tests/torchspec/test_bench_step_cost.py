@@ -113,3 +113,16 @@ def test_known_shapes_have_their_published_sizes(name: str, billions: float) -> 
     config = step_cost.model_config(name)
     assert step_cost.weight_bytes(config, torch.bfloat16) / 2 / 1e9 == pytest.approx(billions, abs=0.05)
     assert step_cost.kv_bytes_per_token(config, torch.bfloat16) == config.num_hidden_layers * 2 * 8 * 128 * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU time is profiled on CUDA only")
+def test_gpu_time_of_each_step_is_profiled(bench: Bench, tmp_path: Path) -> None:
+    """On a GPU every step kind reports its busy time and the attention's share of it, the longer round more."""
+    argv = ("--model-config", "tiny", "--max-batch-size", "4", "--context", "300", "--methods", "none,pillar_recent")
+    code, _, err = bench(*argv, "--device", "cuda", "--out", str(tmp_path))
+    assert code == 0, err[-3000:]
+    costs = json.loads((tmp_path / "results.json").read_text())["costs"]
+    for cost in costs:
+        assert 0 < cost["attention_ms"] < cost["gpu_busy_ms"], cost
+    plain, long, short = costs
+    assert long["gpu_busy_ms"] > short["gpu_busy_ms"] > plain["gpu_busy_ms"]

@@ -21,6 +21,7 @@ from transformers.generation.continuous_batching import ContinuousMixin
 
 from tests.torchspec.conftest import run_cli, tiny_spec
 from torchspec.bench import suite
+from torchspec.bench.methods import METHODS
 from torchspec.bench.runs import Workload
 from torchspec.bench.throughput import context_bins
 
@@ -124,6 +125,27 @@ def test_sweeps_run_every_method_at_every_value(
     assert stdout.splitlines()[0].startswith(f"none ({name}={first}): ")
     _valid_png(tmp_path / f"tokens_per_s_vs_{name.replace('-', '_')}.png")
     assert f"| {name} |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_run_stopped_part_way_keeps_the_finished_methods_reported(
+    bench: Bench, monkeypatch: pytest.MonkeyPatch, smollm2: Any, tmp_path: Path
+) -> None:
+    """The report is written after every run: stopped during its second method (a time limit, Ctrl-C), the first
+    method's numbers are in results.json and report.md already."""
+    tokenizer = smollm2[1]
+    _serve(monkeypatch, tiny_spec("llama", vocab_size=len(tokenizer), max_position_embeddings=512).build(), tokenizer)
+
+    def stopped(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(METHODS, "pillar_recent", stopped)
+    argv = ("--methods", "none,pillar_recent", "--num-prompts", "2", "--output-len", "4", "--warmup-tokens", "1")
+    with pytest.raises(KeyboardInterrupt):
+        bench(*argv, "--threads", "1", "--out", str(tmp_path))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [run["method"] for run in results["runs"]] == ["none"]
+    assert results["runs"][0]["generated_tokens"] == 2 * 4
+    assert "| none |" in (tmp_path / "report.md").read_text()
 
 
 class _NoModel:

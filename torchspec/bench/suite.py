@@ -213,15 +213,31 @@ def _busy_note() -> str | None:
     )
 
 
-def _run_methods(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[list[MethodRun], Workload]:
-    """Every method at every point of the run, with a progress bar; the runs and the first point's workload."""
+def _results(args: argparse.Namespace, dtype: str, workload: Workload) -> dict[str, Any]:
+    """What the report holds besides the runs: the command, environment, workload and options."""
+    return {
+        "command": _command(args),
+        "environment": environment(args.device, dtype),
+        "workload": workload.summary(),
+        "prompts": args.prompts_file or "the packaged reasoning prompts",
+        "options": {name: _json(value) for name, value in vars(args).items() if name != "command"},
+    }
+
+
+def _run_methods(
+    args: argparse.Namespace, model: Any, tokenizer: Any, dtype: str
+) -> tuple[list[MethodRun], list[Path]]:
+    """Every method at every point of the run, with a progress bar; the runs and the report's files. The report is
+    written again after each run, so a run stopped part way (a time limit, an error) leaves the finished ones."""
     points = [(value, workload, name) for value, workload in _workloads(args, tokenizer) for name in args.methods]
+    sweep_name = None if args.sweep is None else args.sweep.name
     runs: list[MethodRun] = []
     with tqdm(points, desc="bench", unit="run") as bar:
         for value, workload, name in bar:
-            bar.set_postfix_str(name if value is None else f"{name}, {args.sweep.name}={value}")
+            bar.set_postfix_str(name if value is None else f"{name}, {sweep_name}={value}")
             runs.append(dataclasses.replace(METHODS[name](model, tokenizer, workload), sweep_value=value))
-    return runs, points[0][1]
+            written = write_report(args.out, runs, _results(args, dtype, points[0][1]), sweep_name)
+    return runs, written
 
 
 def _step_cost_error(args: argparse.Namespace, dtype: torch.dtype) -> str | None:
@@ -251,11 +267,6 @@ def _step_costs(args: argparse.Namespace) -> int:
         samples=step_cost.SAMPLES,
         seed=args.seed,
     )
-    costs = []
-    with _threads(args.threads), tqdm(args.methods, desc="step cost", unit="method") as bar:
-        for method in bar:
-            bar.set_postfix_str(method)
-            costs += step_cost.method_costs(model, method, **settings)
     results = {
         "command": _command(args),
         "environment": environment(args.device, dtype),
@@ -265,7 +276,12 @@ def _step_costs(args: argparse.Namespace) -> int:
         "context": args.context,
         "temperature": args.temperature,
     }
-    written = step_cost.write_report(args.out, results, costs)
+    costs = []
+    with _threads(args.threads), tqdm(args.methods, desc="step cost", unit="method") as bar:
+        for method in bar:  # the report written again after each method: a stopped run keeps the finished ones
+            bar.set_postfix_str(method)
+            costs += step_cost.method_costs(model, method, **settings)
+            written = step_cost.write_report(args.out, results, costs)
     for cost in costs:
         gpu = ""
         if cost.gpu_busy_ms is not None:
@@ -288,17 +304,8 @@ def main(args: argparse.Namespace) -> int:
     dtype = model_dtype(args.dtype, args.device)
     model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
     with _threads(args.threads):
-        runs, workload = _run_methods(args, model, tokenizer)
-        machine = environment(args.device, dtype)
-    results = {
-        "command": _command(args),
-        "environment": machine,
-        "workload": workload.summary(),
-        "prompts": args.prompts_file or "the packaged reasoning prompts",
-        "options": {name: _json(value) for name, value in vars(args).items() if name != "command"},
-    }
+        runs, written = _run_methods(args, model, tokenizer, dtype)
     sweep_name = None if args.sweep is None else args.sweep.name
-    written = write_report(args.out, runs, results, sweep_name)
     for run in runs:
         print(_summary(run, sweep_name))
     print(f"report: {written[1]} ({len(written)} files in {args.out})")
