@@ -5,4 +5,9 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 py=${PYTHON:-python3}
 "$py" -m ruff check .
-exec "$py" -m pytest -q "$@"
+# One pytest worker per core (at most 4) without a GPU; with one, a single process: every worker would size its
+# KV pool from the same free device memory.
+workers=$("$py" -c "import os, torch; print(1 if torch.cuda.is_available() else min(4, os.cpu_count() or 1))")
+parallel=()
+[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist worksteal)
+exec "$py" -m pytest -q "${parallel[@]}" "$@"

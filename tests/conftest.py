@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded SmolLM2 model (loaded once per session) and a one-thread guard."""
+"""Shared fixtures: the embedded SmolLM2 model (loaded once per session and worker) and a one-thread guard."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    # Workers of one run share the cores: each takes its share of intra-op threads, not all of them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's CPU interpreter; triton.jit reads this when a kernel module is imported.
