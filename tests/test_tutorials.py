@@ -12,6 +12,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 from nbclient import NotebookClient
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -21,10 +22,13 @@ CELL_TIMEOUT_S = 600  # a loaded 2-core machine can be ~5x slower than an idle o
 
 def _kernel_env() -> dict[str, str]:
     """The environment of the kernel: the repo root first on PYTHONPATH, so ``import torchspec`` finds the
-    checkout; a headless matplotlib backend."""
+    checkout; a headless matplotlib backend; this test process's intra-op threads (a worker's share of the cores
+    when the suite runs in parallel: a kernel taking them all beside another worker ran 02_pillarattn past 10
+    minutes, where it takes 2 alone)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("MPLBACKEND", "Agg")
+    env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     return env
 
 
