@@ -222,6 +222,12 @@ class Engine:
             raise ValueError(
                 f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}); check the tokenizer"
             )
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}): no token can match "
+                "them; drop them or check the tokenizer"
+            )
         need = len(prompt_ids) + params.max_new_tokens + self.num_draft_slots
         if need > self.kv_capacity_tokens:
             drafts = f" + {self.num_draft_slots} draft slots" if self.num_draft_slots else ""
@@ -336,7 +342,7 @@ class Engine:
         self.host_ms["read-back"] += 1e3 * (collected - start)
         self.host_ms["commit"] += 1e3 * (time.perf_counter() - collected)
         for request in finished:
-            self.runner.table.release(request)
+            self.runner.release(request)
         self._run_steps += 1
         return step.plan, finished
 

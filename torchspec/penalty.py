@@ -106,6 +106,10 @@ class TokenPresence:
         seen.index_put_((index[owner.size :], extra_tokens), seen.new_ones(()))
         return seen
 
+    def forget(self, row: int) -> None:
+        """The request holding ``row`` gave it back: the next one there writes the row from its own tokens."""
+        self._holders.pop(row, None)
+
     def _reserve(self, rows: int, vocab_size: int) -> None:
         """Room for ``rows`` rows of a ``vocab_size`` vocabulary (rows double; what the mask held is kept)."""
         held = 0 if self.mask is None else self.mask.shape[0]

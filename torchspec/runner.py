@@ -26,7 +26,7 @@ from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.kv_offload import HostKVStore
 from torchspec.penalty import TokenPresence
-from torchspec.request import SamplingParams
+from torchspec.request import Request, SamplingParams
 from torchspec.sampling import DenseProbs, WarpedLogits, reported_scores, suppress_stop_tokens, target_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.slot_table import SlotTable
@@ -279,7 +279,7 @@ class Runner:
         requests that ended while the plan was made give their rows back."""
         for request, slots in plan.offloads:
             self.host.offload(id(request), slots)
-            self.table.release(request)
+            self.release(request)
         for request in plan.restores:
             self.host.restore(id(request), request.slots[: request.num_computed_tokens])
             row = self.table.row(request)
@@ -293,7 +293,14 @@ class Runner:
         for request in plan.grown:
             self.table.extend(request)
         for request in plan.stopped:
-            self.table.release(request)
+            self.release(request)
+
+    def release(self, request: Request) -> None:
+        """Give a request's slot-table row back; the row's token set forgets it (a finished request is not kept
+        alive by it; one coming back from the host tier writes its set again from its tokens)."""
+        if request.table_row is not None:
+            self.presence.forget(request.table_row)
+        self.table.release(request)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:

@@ -7,6 +7,7 @@ alone; ``wrap`` refuses bad options and models whose attention it cannot route. 
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from transformers import (
 )
 
 from torchspec import SpecConfig, sparsespec
+from torchspec.request import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -130,6 +132,21 @@ def test_generate_batch_reports_bad_prompt(model: Any, bad: list[int], message: 
     assert failed.finish_reason == "error" and failed.token_ids == [] and failed.text is None
     assert re.search(message, failed.error), failed.error
     assert good.finish_reason in ("stop", "length") and good.error is None and good.token_ids
+
+
+@pytest.mark.parametrize("stop", [-1, VOCAB_SIZE], ids=["negative", ">=vocab"])
+def test_stop_token_outside_the_vocabulary_fails_its_request_alone(model: Any, stop: int) -> None:
+    """A stop token id no token can match (engine API) ends its own request with an error naming it; the other
+    request of the batch completes. (``generate``'s negative eos ids mean no EOS, as in transformers.)"""
+    engine = model.engine
+    good = engine.new_request(0, _prompt(5), SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
+    bad = engine.new_request(1, _prompt(5), SamplingParams(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=(3, stop)))
+    collections.deque(engine.steps([good, bad]), maxlen=0)
+    assert bad.error == (
+        f"stop token ids [{stop}] are outside the vocabulary [0, {VOCAB_SIZE}): no token can match them; drop them "
+        "or check the tokenizer"
+    )
+    assert bad.output_ids == [] and good.error is None and len(good.output_ids) == MAX_NEW_TOKENS
 
 
 def test_prompt_filling_the_context_is_accepted(model: Any) -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import collections
+import gc
 import math
+import weakref
 
 import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from tests.torchspec.conftest import tiny_spec
+from torchspec import sparsespec
 from torchspec.penalty import TokenPresence, penalize
 from torchspec.request import Request, SamplingParams
 
@@ -88,3 +93,36 @@ def test_penalize_rows_adds_the_drafts_before_each_row():
     )
     halved = [set((penalised[row] == 2.0).nonzero()[:, 0].tolist()) for row in range(5)]
     assert halved == [set(), {7}, {7, 10}, {7, 10, 11}, {7, 10, 11, 12}]
+
+
+def test_a_row_given_back_forgets_its_request():
+    """A request that gives its row back is no longer referenced by the token sets (a finished request is not
+    kept alive by them); one that comes back to the same row is written again from its tokens, those it gained
+    meanwhile included."""
+    presence = TokenPresence(CPU)
+    leaving, returning = _request(0, [1, 2]), _request(1, [3])
+    presence.round_sets([leaving, returning], [0, 1], VOCAB, [[], []])
+    gone = weakref.ref(leaving)
+    presence.forget(0)
+    presence.forget(1)
+    del leaving
+    gc.collect()
+    assert gone() is None
+    returning.token_ids.append(4)  # what it generated while its K/V was on the host
+    presence.round_sets([returning], [1], VOCAB, [[]])
+    assert _tokens(presence, 1) == {3, 4}
+
+
+def test_finished_requests_are_not_kept_by_the_engine():
+    """After a run with a repetition penalty, the engine holds none of its requests (the token sets and the
+    slot table forgot them as they finished)."""
+    model = sparsespec.wrap(tiny_spec("llama").build(), draft="pillar_recent", k=3)
+    engine = model.engine
+    params = SamplingParams(max_new_tokens=12, repetition_penalty=1.3)
+    requests = [engine.new_request(i, [3 + i, 4, 5, 6], params) for i in range(3)]
+    collections.deque(engine.steps(requests), maxlen=0)  # run to the end, keeping no step's plan
+    assert all(request.is_finished and not request.error for request in requests)
+    refs = [weakref.ref(request) for request in requests]
+    del requests
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
