@@ -9,7 +9,7 @@ from benchmarks import decode_step, host_step, step_profile
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
 from torchspec.bench.records import parse_setting
-from torchspec.bench.throughput import main, measure
+from torchspec.bench.throughput import device_memory_gib, main, measure
 from torchspec.engine import HOST_PHASES
 from torchspec.kv_cache import bytes_per_token
 from torchspec.workloads import read_prompts
@@ -179,3 +179,18 @@ def test_packaged_prompts_cycle_past_their_count():
     cycled = read_prompts(limit=len(prompts) + 3)
     assert cycled[: len(prompts)] == prompts and cycled[len(prompts) :] == prompts[:3]
     assert read_prompts(limit=2) == prompts[:2]
+
+
+def test_device_memory_is_read_as_a_pool_would_find_it(monkeypatch):
+    """Before an engine sizes its pool, a record notes the device's memory after a gc and an emptied allocator
+    cache: free by the driver, held by live tensors, cached all the same (an earlier engine's leftovers show
+    here). Nothing on a CPU."""
+    gib = 1 << 30
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("emptied"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 5 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 65 * gib)
+    memory = device_memory_gib(torch.device("cuda", 0))
+    assert memory == {"free": 70.0, "total": 140.0, "allocated": 5.0, "cached": 60.0} and calls == ["emptied"]
+    assert device_memory_gib(torch.device("cpu")) is None

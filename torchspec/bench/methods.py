@@ -51,6 +51,7 @@ def run_ours(model: torch.nn.Module, tokenizer: Any, workload: Workload, draft: 
         ms_per_step=record["ms_per_step"],
         host_ms_per_step=record["cpu_ms_per_step"],
         offload=record["offload"],
+        memory_before_gib=record["memory_before_gib"],
     )
 
 

@@ -71,4 +71,5 @@ class MethodRun:
     ms_per_step: float | None = None  # wall time per engine step
     host_ms_per_step: float | None = None  # host CPU time per engine step (all threads)
     offload: dict | None = None  # the KV host tier's counters, where it ran
+    memory_before_gib: dict | None = None  # device memory free, allocated and cached as the engine was built
     sweep_value: int | None = None  # the swept setting's value of this run (set by the suite)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -118,6 +119,20 @@ class StepTimeline:
         ]
 
 
+def device_memory_gib(device: torch.device) -> dict[str, float] | None:
+    """The device's memory as an engine's automatic pool finds it (after a gc and emptying PyTorch's cache): free
+    by the driver's count, held by live tensors, and cached by the allocator all the same (None on a CPU). Beside
+    each run's pool size it shows what an earlier engine in the process left behind."""
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    sizes = {"free": free, "total": total, "allocated": allocated, "cached": reserved - allocated}
+    return {name: value / 2**30 for name, value in sizes.items()}
+
+
 def _request_summary(output: RequestOutput) -> dict[str, float]:
     stats = output.stats
     return {"rounds": stats.speculation.num_rounds, "mean_accepted": stats.mean_accepted, "latency_s": stats.latency_s}
@@ -139,6 +154,7 @@ def measure(
     all of them), after an untimed one of ``warmup_tokens`` tokens each when asked; its throughput record."""
     device = next(model.parameters()).device
     wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=max_batch_size or len(prompts), **options)
+    memory_before = device_memory_gib(device)  # what the engine, built at the first call, sizes its pool from
 
     def generate(new_tokens: int) -> list[RequestOutput]:
         return list(
@@ -214,6 +230,7 @@ def measure(
         # The KV host tier (offload): K/V rows moved out and back, peak use of both tiers, host time copying.
         "offload": None if stats.offload is None else dataclasses.asdict(stats.offload),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "memory_before_gib": memory_before,
         **environment(device, next(model.parameters()).dtype),
     }
 
