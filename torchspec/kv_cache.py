@@ -111,12 +111,7 @@ def auto_capacity_tokens(
     """
     per_token = bytes_per_token(layers, dtype)
     if device.type == "cuda":
-        # An earlier engine's pool, dropped but kept in PyTorch's allocator cache, goes back to the driver first.
-        # What the cache still holds after that is not counted: blocks that smaller tensors have split since
-        # cannot hold a pool's large tensors (counting them ran W1's sweep out of memory at its third engine).
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(device)
+        free, _ = reclaim_device_memory(device)
         tokens = int((free - workspace_bytes) * device_fraction / (per_token + step_bytes_per_token))
     else:
         budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * _HOST_MEMORY_FRACTION)
@@ -127,6 +122,16 @@ def auto_capacity_tokens(
             "workspace); free memory, lower max_batch_size or pass kv_capacity_tokens explicitly"
         )
     return tokens
+
+
+def reclaim_device_memory(device: torch.device) -> tuple[int, int]:
+    """Hand an earlier engine's pool, dropped but kept in PyTorch's allocator cache, back to the driver (after a
+    gc), then return the driver's (free, total) bytes. What the cache still holds is not counted free: blocks that
+    smaller tensors have split since cannot hold a pool's large tensors (counting them ran W1's sweep out of
+    memory at its third engine)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
 
 
 def step_list_bytes(

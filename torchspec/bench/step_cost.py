@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import statistics
 import time
@@ -36,6 +35,7 @@ from torchspec.bench import gpu_time
 from torchspec.bench.report import new_figure, save_plot
 from torchspec.config import SpecConfig
 from torchspec.engine import Engine
+from torchspec.kv_cache import reclaim_device_memory
 from torchspec.request import Request, SamplingParams
 from torchspec.scheduler import Phase, StepPlan
 
@@ -200,8 +200,7 @@ def measure(
     many profiled on a GPU."""
     device = next(model.parameters()).device
     if device.type == "cuda":  # the last engine's pool must be gone before this one is allocated
-        gc.collect()
-        torch.cuda.empty_cache()
+        reclaim_device_memory(device)
     kind = "plain" if method == "none" else "round"
     # Steps a request may decode in, each at most a round: while the batch's later prompts are prefilled, then
     # those measured.

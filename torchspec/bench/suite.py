@@ -4,8 +4,8 @@
     torchspec bench --methods none,pillar_recent --sweep output-len=1024,2048,4096,8192 --out bench-lengths
     torchspec bench --model-config qwen3-8b --max-batch-size 64 --context 8192 --methods none,pillar_recent
 
-``--model-config`` measures what each kind of engine step costs on a large model's shape with random weights
-(plain, draft and verify steps, whole rounds; no acceptance), see torchspec/bench/step_cost.py.
+``--model-config`` measures what engine steps cost on a large model's shape with random weights (plain steps, and
+rounds at two lengths whose difference is a draft forward's cost; no acceptance), see torchspec/bench/step_cost.py.
 
 Every argument is checked before the model loads: a typo costs a second, not a model load and the runs before
 the bad one.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -40,6 +39,7 @@ from torchspec.bench.records import (
 )
 from torchspec.causal_lm import RequestOutput
 from torchspec.engine import Engine
+from torchspec.kv_cache import reclaim_device_memory
 from torchspec.models import load_model
 from torchspec.workloads import reasoning_prompt_ids
 
@@ -125,9 +125,7 @@ def device_memory_gib(device: torch.device) -> dict[str, float] | None:
     each run's pool size it shows what an earlier engine in the process left behind."""
     if device.type != "cuda":
         return None
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
+    free, total = reclaim_device_memory(device)
     allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     sizes = {"free": free, "total": total, "allocated": allocated, "cached": reserved - allocated}
     return {name: value / 2**30 for name, value in sizes.items()}
