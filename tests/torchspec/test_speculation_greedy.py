@@ -894,6 +894,34 @@ def test_pillar_top_k_of_a_synthetic_mass():
     assert torch.equal(positions, torch.cat([expected, torch.tensor([95, 96, 97]).expand(2, 2, -1)], dim=-1))
 
 
+def _latest_ngram_continuation(tokens: list[int], max_tokens: int) -> list[int]:
+    """N-gram lookup written out: the latest earlier occurrence of the last 3, 2 or 1 tokens, and what followed."""
+    for n in range(min(3, len(tokens) - 1), 0, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + max_tokens]
+    return []
+
+
+def test_ngram_proposes_the_latest_earlier_continuation_as_the_request_grows():
+    """The n-gram policy searches a request's tokens kept as a str and extended each round: its proposals equal
+    a plain scan's at every length, with token ids among the code points a str holds only unpaired (surrogates)
+    and after the history shrank."""
+    policy = POLICIES["ngram"](SpecConfig(draft="ngram"), _layer_specs([None]))
+    generator = torch.Generator().manual_seed(0)
+    alphabet = [1, 2, 3, 0xD7FF, 0xD800, 0xDFFF, 0xE000, 151_935]
+    request = _request(1)
+    proposed = 0
+    for _ in range(300):
+        request.token_ids.append(alphabet[int(torch.randint(len(alphabet), (1,), generator=generator))])
+        expected = _latest_ngram_continuation(request.token_ids, 4)
+        assert policy.propose(request, 4) == expected, request.token_ids
+        proposed += bool(expected)
+    assert proposed > 250, "the tokens repeat: most rounds find an earlier n-gram"
+    del request.token_ids[-50:]
+    assert policy.propose(request, 4) == _latest_ngram_continuation(request.token_ids, 4)
+
+
 def test_pillar_budget_covering_older_positions_keeps_them_all():
     """When the budget holds every older position, the pattern is all of them (one list shared by layers and
     heads) and a draft reads the whole context."""
