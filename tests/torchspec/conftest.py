@@ -101,6 +101,19 @@ class TinyModelSpec:
             return AutoModelForCausalLM.from_config(copy.deepcopy(self.config())).eval()
 
 
+#: A tiny Qwen3 shape that ``torchspec bench --model-config`` measures on a CPU (added to the known ones).
+TINY_SHAPE = {
+    "vocab_size": 128,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
 def tiny_spec(arch: str, num_kv_heads: int = 2, seed: int = 0, **overrides: Any) -> TinyModelSpec:
     return TinyModelSpec(arch, num_kv_heads, seed=seed).with_config(**overrides)
 

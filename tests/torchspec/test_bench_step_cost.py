@@ -14,20 +14,11 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.torchspec.conftest import run_cli
+from tests.torchspec.conftest import TINY_SHAPE, run_cli
 from torchspec.bench import step_cost
 
 Bench = Callable[..., tuple[int, str, str]]
-TINY = {
-    "vocab_size": 128,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 1024,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-}
+TINY = TINY_SHAPE
 
 
 @pytest.fixture
@@ -93,13 +84,17 @@ def test_bad_step_cost_arguments_are_refused_before_the_model_is_built(
 
 def test_a_batch_the_gpu_cannot_hold_is_refused_with_both_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen3-8B at 128 requests of 8K tokens: 16.4 GB of weights and 154.6 GB of K/V (147,456 bytes a token),
-    more than an H200 holds; the message names both and the fix."""
+    more than an H200 holds; the message names both and the fixes. Over two GPUs each holds half of the K/V."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (139.7e9, 150e9))
     message = step_cost.memory_error("qwen3-8b", 128, 8192, torch.device("cuda", 0), torch.bfloat16)
     assert message == (
         "qwen3-8b at 128 requests x 8192 tokens needs 16.4 GB of weights and 154.6 GB of K/V; cuda:0 has 139.7 GB "
-        "free: lower --max-batch-size or --context"
+        "free: lower --max-batch-size or --context, or shard it over more GPUs (--tp)"
     )
+    sharded = step_cost.memory_error("qwen3-8b", 128, 8192, torch.device("cuda", 0), torch.bfloat16, 2)
+    assert sharded is None, "each of two GPUs holds 4 of the 8 KV heads: 77.3 GB of K/V beside the whole weights"
+    sharded = step_cost.memory_error("qwen3-8b", 256, 8192, torch.device("cuda", 0), torch.bfloat16, 2)
+    assert "needs 16.4 GB of weights and 154.6 GB of K/V (its share over 2 GPUs)" in sharded
     assert step_cost.memory_error("qwen3-8b", 64, 8192, torch.device("cuda", 0), torch.bfloat16) is None
     assert step_cost.memory_error("qwen3-8b", 10**6, 8192, torch.device("cpu"), torch.bfloat16) is None
 

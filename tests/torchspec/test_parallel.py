@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.torchspec.conftest import Batch, tiny_spec
-from torchspec import sparsespec
+from tests.torchspec.conftest import TINY_SHAPE, Batch, run_cli, tiny_spec
+from torchspec import cli, sparsespec
+from torchspec.bench import step_cost
 from torchspec.parallel import BackendError, LayoutError, RowParallelLinear
 from torchspec.parallel.layout import check_backend, check_devices, kv_heads_per_rank
 from torchspec.parallel.replicas import balanced_split, generate_replicated
@@ -63,8 +64,20 @@ def _error(call: Any) -> str:
     return ""
 
 
+def _step_costs(out: Path) -> dict[str, Any]:
+    """``torchspec bench --model-config tiny --tp 2`` on this rank: its exit code, and what rank 0 wrote."""
+    step_cost.MODEL_CONFIGS["tiny"] = TINY_SHAPE
+    argv = ["bench", "--model-config", "tiny", "--max-batch-size", "2", "--context", "24", "--tp", str(WORLD)]
+    code = cli.main([*argv, "--methods", "none,pillar_recent", "--threads", "1", "--out", str(out)])
+    dist.barrier()
+    written = {name: (out / name).read_text() for name in ("results.json", "report.md") if (out / name).exists()}
+    return {"code": code, **written}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
+    # What torchrun sets (a rank's RANK and the WORLD_SIZE tell the CLI it runs under a launcher).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     # A deadline on every collective: a rank that diverged fails the run instead of hanging it.
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
@@ -95,6 +108,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         for name, spec in bad.items():
             results[f"error/{name}"] = _error(lambda spec=spec: sparsespec.wrap(spec.build(), tensor_parallel_size=2))
         results["error/world"] = _error(lambda: sparsespec.wrap(tiny_spec("qwen3").build(), tensor_parallel_size=4))
+        results["step_costs"] = _step_costs(Path(out) / "step_costs")
     except Exception:
         results["crash"] = traceback.format_exc()
     torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -170,6 +184,35 @@ def test_impossible_layouts_are_refused_by_name(ranks) -> None:
 def test_ranks_that_disagree_fail_together(ranks) -> None:
     for result in ranks:  # each rank held its own number: both raise, neither waits for the other
         assert result["error/diverged"].startswith("RuntimeError: tensor-parallel ranks disagree on the rank")
+
+
+def test_step_costs_of_a_shape_sharded_over_two_ranks(ranks) -> None:
+    """``torchspec bench --model-config --tp 2`` under a launcher: both ranks run every step, the first writes the
+    report (which says the shape was sharded)."""
+    assert [result["step_costs"]["code"] for result in ranks] == [0, 0]
+    results = json.loads(ranks[0]["step_costs"]["results.json"])
+    assert results["tensor_parallel_size"] == WORLD and "--tp 2" in results["command"]
+    steps = [(cost["method"], cost["step"]) for cost in results["costs"]]
+    assert steps == [("none", "plain"), ("pillar_recent", "round"), ("pillar_recent", "round")]
+    assert all(cost["steps_timed"] == step_cost.SAMPLES and cost["wall_ms"] > 0 for cost in results["costs"])
+    assert "Sharded over 2 GPUs (tensor parallel" in ranks[0]["step_costs"]["report.md"]
+
+
+def test_step_costs_refuse_a_tp_the_launch_does_not_match(capsys) -> None:
+    """``--tp 2`` without two launched processes, and a --tp that the shape's heads do not divide, are refused by
+    name before any model is built."""
+    step_cost.MODEL_CONFIGS["tiny"] = TINY_SHAPE
+    try:
+        for tp, message in (
+            ("2", "--tp 2 needs as many processes, one a GPU, and this launch has 1"),
+            ("3", "4 attention heads are not divisible by tensor_parallel_size=3"),
+        ):
+            code, _, err = run_cli(capsys, "bench", "--model-config", "tiny", "--tp", tp, "--methods", "none")
+            assert code == 2 and message in err, err
+        code, _, err = run_cli(capsys, "bench", "--tp", "2", "--methods", "none")
+        assert code == 2 and "--tp shards a --model-config shape over GPUs" in err, err
+    finally:
+        del step_cost.MODEL_CONFIGS["tiny"]
 
 
 def test_balanced_split_evens_the_load() -> None:

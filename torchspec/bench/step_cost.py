@@ -36,6 +36,7 @@ from torchspec.bench.report import new_figure, save_plot
 from torchspec.config import SpecConfig
 from torchspec.engine import Engine
 from torchspec.kv_cache import reclaim_device_memory
+from torchspec.parallel.layout import LayoutError, kv_heads_per_rank
 from torchspec.request import Request, SamplingParams
 from torchspec.scheduler import Phase, StepPlan
 
@@ -86,20 +87,38 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
 
 
-def memory_error(name: str, batch: int, tokens: int, device: torch.device, dtype: torch.dtype) -> str | None:
+def memory_error(
+    name: str, batch: int, tokens: int, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1
+) -> str | None:
     """Why ``batch`` requests of up to ``tokens`` tokens each cannot sit in ``device``'s free memory beside
-    model ``name``'s weights (None: they can; a CPU is not checked)."""
+    model ``name``'s weights, with this device's share of the KV heads over ``tensor_parallel_size`` ranks (the
+    model is built whole before it is sharded); None: they can (a CPU is not checked)."""
     if device.type != "cuda":
         return None
     config = model_config(name)
-    weights, kv = weight_bytes(config, dtype), batch * tokens * kv_bytes_per_token(config, dtype)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    share = kv_heads_per_rank(heads, kv_heads, tensor_parallel_size, name) / kv_heads  # of the K/V this GPU holds
+    kv = int(batch * tokens * kv_bytes_per_token(config, dtype) * share)
+    weights = weight_bytes(config, dtype)
     free = torch.cuda.mem_get_info(device)[0]
     if weights + kv <= free:
         return None
+    sharded = f" (its share over {tensor_parallel_size} GPUs)" if tensor_parallel_size > 1 else ""
     return (
         f"{name} at {batch} requests x {tokens} tokens needs {weights / 1e9:.1f} GB of weights and {kv / 1e9:.1f} GB "
-        f"of K/V; {device} has {free / 1e9:.1f} GB free: lower --max-batch-size or --context"
+        f"of K/V{sharded}; {device} has {free / 1e9:.1f} GB free: lower --max-batch-size or --context, or shard "
+        "it over more GPUs (--tp)"
     )
+
+
+def layout_error(name: str, tensor_parallel_size: int) -> str | None:
+    """Why model ``name``'s heads cannot be sharded over ``tensor_parallel_size`` ranks (None: they can)."""
+    config = model_config(name)
+    try:
+        kv_heads_per_rank(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size, name)
+    except LayoutError as error:
+        return str(error)
+    return None
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -194,10 +213,12 @@ def measure(
     samples: int,
     k: int,
     seed: int = 0,
+    tensor_parallel_size: int = 1,
 ) -> StepCost:
     """Cost of a step when ``batch`` requests of ``context`` random prompt tokens decode together with
     ``method`` (``none``: plain steps; a draft policy: rounds of ``k`` drafts): ``samples`` timed steps, and as
-    many profiled on a GPU."""
+    many profiled on a GPU. With ``tensor_parallel_size`` > 1 every rank of the group (torchrun) runs the same
+    steps on its shard of the model; each times its own."""
     device = next(model.parameters()).device
     if device.type == "cuda":  # the last engine's pool must be gone before this one is allocated
         reclaim_device_memory(device)
@@ -213,6 +234,7 @@ def measure(
         max_batch_size=batch,
         kv_capacity_tokens=batch * (context + new_tokens + k),
         max_step_tokens=PREFILL_STEP_TOKENS,
+        tensor_parallel_size=tensor_parallel_size,
     )
     engine = wrapped.engine
     sampled = {"do_sample": True, "temperature": temperature, "top_k": TOP_K} if temperature > 0 else {}
@@ -266,6 +288,7 @@ def _markdown(results: dict[str, Any], costs: Sequence[StepCost]) -> str:
         f"Shape: {results['shape']}  ",
         f"Batch: {results['batch']} requests of {results['context']} random prompt tokens each, decoding together, "
         f"temperature {results['temperature']} (top-k {TOP_K} when sampling), every engine option at its default.  ",
+        *_sharding(results.get("tensor_parallel_size", 1)),
         "**Acceptance is not measured**: random weights draft nothing a trained model would.",
         "",
         "| step | wall ms | host ms | GPU busy ms | attention ms | x plain step |",
@@ -287,6 +310,15 @@ def _markdown(results: dict[str, Any], costs: Sequence[StepCost]) -> str:
         f"![{PLOT}]({PLOT})",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _sharding(size: int) -> list[str]:
+    if size == 1:
+        return []
+    return [
+        f"Sharded over {size} GPUs (tensor parallel: each holds 1/{size} of the heads, their K/V and the MLP, with "
+        "an all-reduce after o_proj and down_proj); times and GPU figures are the first rank's.  "
+    ]
 
 
 def _rounds(costs: Sequence[StepCost], plain: StepCost | None) -> list[str]:

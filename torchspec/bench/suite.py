@@ -35,6 +35,7 @@ from torchspec.bench.report import write_report
 from torchspec.bench.runs import MethodRun, Workload
 from torchspec.config import DRAFT_POLICIES
 from torchspec.models import DEFAULT_MODEL_NAME, load_model
+from torchspec.parallel import launched_world_size, rank_device
 from torchspec.workloads import read_prompts
 
 #: What ``--sweep NAME=V1,V2,...`` can vary: output-len (new tokens a request), batch (requests at once, each
@@ -134,6 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context", type=at_least(1), default=8192, help="prompt tokens a request, with --model-config (default 8192)"
     )
+    parser.add_argument(
+        "--tp",
+        type=at_least(1),
+        default=1,
+        help="with --model-config, under torchrun with as many processes: shard the model over this many GPUs "
+        "(tensor parallel), for a batch whose K/V one GPU cannot hold (default 1)",
+    )
     parser.add_argument("--out", type=writable_dir, default="bench-report", help="the report's folder")
     parser.add_argument(
         "--threads", type=at_least(1), help="torch's CPU threads (default: torch's own; 1 suffers least on a busy CPU)"
@@ -177,7 +185,7 @@ def _json(value: Any) -> Any:
 
 #: Options of one mode only: a workload's, or the step costs' (``--model-config``).
 WORKLOAD_OPTIONS = {"num_prompts", "output_len", "natural_lengths", "warmup_tokens", "prompts_file", "sweep"}
-STEP_COST_OPTIONS = {"model_config", "context"}
+STEP_COST_OPTIONS = {"model_config", "context", "tp"}
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -249,7 +257,17 @@ def _step_cost_error(args: argparse.Namespace, dtype: torch.dtype) -> str | None
     peers = [name for name in args.methods if name not in ("none", *DRAFT_POLICIES)]
     if peers:
         return f"--model-config measures torchspec's engine steps; drop the peers {', '.join(peers)} from --methods"
-    return step_cost.memory_error(args.model_config, args.max_batch_size, args.context, args.device, dtype)
+    layout = step_cost.layout_error(args.model_config, args.tp)
+    if layout:
+        return layout
+    if args.tp != launched_world_size():
+        return (
+            f"--tp {args.tp} needs as many processes, one a GPU, and this launch has {launched_world_size()}: run "
+            f"torchrun --nproc-per-node {args.tp} -m torchspec bench ... --tp {args.tp}"
+        )
+    return step_cost.memory_error(
+        args.model_config, args.max_batch_size, args.context, rank_device(args.device), dtype, args.tp
+    )
 
 
 def _step_costs(args: argparse.Namespace) -> int:
@@ -259,29 +277,36 @@ def _step_costs(args: argparse.Namespace) -> int:
     problem = _step_cost_error(args, dtype)
     if problem:
         raise ValueError(problem)
-    model = step_cost.build_model(args.model_config, args.device, dtype)
+    device = rank_device(args.device)
+    model = step_cost.build_model(args.model_config, device, dtype)
     settings = dict(
         batch=args.max_batch_size,
         context=args.context,
         temperature=args.temperature,
         samples=step_cost.SAMPLES,
         seed=args.seed,
+        tensor_parallel_size=args.tp,
     )
     results = {
         "command": _command(args),
-        "environment": environment(args.device, dtype),
+        "environment": environment(device, dtype),
         "model_config": args.model_config,
         "shape": step_cost.MODEL_CONFIGS[args.model_config],
         "batch": args.max_batch_size,
         "context": args.context,
         "temperature": args.temperature,
+        "tensor_parallel_size": args.tp,
     }
+    reports = int(os.environ.get("RANK", "0")) == 0  # every rank runs the steps; the first writes and prints
     costs = []
-    with _threads(args.threads), tqdm(args.methods, desc="step cost", unit="method") as bar:
+    with _threads(args.threads), tqdm(args.methods, desc="step cost", unit="method", disable=not reports) as bar:
         for method in bar:  # the report written again after each method: a stopped run keeps the finished ones
             bar.set_postfix_str(method)
             costs += step_cost.method_costs(model, method, **settings)
-            written = step_cost.write_report(args.out, results, costs)
+            if reports:
+                written = step_cost.write_report(args.out, results, costs)
+    if not reports:
+        return 0
     for cost in costs:
         gpu = ""
         if cost.gpu_busy_ms is not None:
@@ -300,6 +325,8 @@ def main(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     if args.model_config is not None:
         return _step_costs(args)
+    if args.tp > 1:
+        raise ValueError("--tp shards a --model-config shape over GPUs; a workload's methods run on one")
     torch.manual_seed(args.seed)
     dtype = model_dtype(args.dtype, args.device)
     model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
