@@ -19,7 +19,10 @@ DRAFT_POLICIES: tuple[str, ...] = (
     "sparsespec_l",
     "oracle",
     "pillar_quest",
+    "query_sketch",
 )
+#: Key sketches the ``query_sketch`` draft scores a round's positions on (``torchspec.drafting.key_sketch``).
+KEY_SKETCHES: tuple[str, ...] = ("int4", "int2", "lowrank16", "lowrank8", "channels16", "channels8", "exact")
 #: The default draft: the best real policy measured on the embedded model (docs/acceptance.md).
 DEFAULT_DRAFT = "pillar_recent"
 
@@ -42,13 +45,17 @@ class SpecConfig:
             (W1: a poorly drafted request left alone accepted 2.3 of 8). ``None`` = 65,536 on a GPU (W1's best:
             256 positions a request at full batch, every position below ~8 requests) and 0 on a CPU, where
             attention costs what it reads at any batch size.
-        num_sinks: first tokens (attention sinks) that streaming-style drafts always attend to.
+        num_sinks: first tokens (attention sinks) that streaming-style drafts and ``query_sketch`` always attend to.
         recent_window: latest tokens before the verify that PillarAttn drafts always attend to, on top of
             the tokens written since (0 = the policy's own: none for the paper's ``pillar``, 64 for
-            ``pillar_recent``, ``sparsespec_l`` and ``pillar_quest``).
+            ``pillar_recent``, ``sparsespec_l``, ``pillar_quest`` and ``query_sketch``).
         successors: PillarAttn also takes the next ``successors`` positions after each Top-K pick, within the
             same budget (copy/induction attention moves forward with the query; 0 = the policy's own: none
-            for ``pillar``, 4 for ``pillar_recent``).
+            for ``pillar`` and ``query_sketch``, 4 for ``pillar_recent``).
+        key_sketch: what the ``query_sketch`` draft scores every cached key on, once a round, from the round's
+            first draft query (``torchspec.drafting.key_sketch``): ``int4``/``int2`` (keys quantised to 4 or 2 bits
+            a channel), ``lowrank16``/``lowrank8`` (projected on the prompt keys' principal directions),
+            ``channels16``/``channels8`` (the prompt keys' strongest rotary channel pairs), ``exact`` (the keys).
         head_budgets: PillarAttn shares each layer's Top-K picks across its KV heads by one Top-K over all of
             them (most verify mass kept; each head's mass is relative to its own sink) instead of the same number
             per head.
@@ -137,6 +144,7 @@ class SpecConfig:
     num_sinks: int = 4
     recent_window: int = 0
     successors: int = 0
+    key_sketch: str = "int4"
     head_budgets: bool = False
     relearn_rounds: int = 1
     max_batch_size: int = 256
@@ -170,6 +178,9 @@ class SpecConfig:
         _require(
             self.draft_step_budget is None or (_is_int(self.draft_step_budget) and self.draft_step_budget >= 0),
             f"draft_step_budget must be None or an integer >= 0, got {self.draft_step_budget!r}",
+        )
+        _require(
+            self.key_sketch in KEY_SKETCHES, f"key_sketch must be one of {list(KEY_SKETCHES)}, got {self.key_sketch!r}"
         )
         for name in ("num_sinks", "recent_window", "successors"):
             value = getattr(self, name)

@@ -29,9 +29,10 @@ from tests.torchspec.conftest import (
     generated_rows,
     tiny_spec,
 )
-from torchspec import SpecConfig, sparsespec
+from torchspec import SpecConfig, config, sparsespec
 from torchspec.config import DRAFT_POLICIES
 from torchspec.drafting import POLICIES, pillar
+from torchspec.drafting.key_sketch import KEY_SKETCHES, KeySketch
 from torchspec.drafting.pillar import PillarPolicy
 from torchspec.drafting.pillar_quest import PillarQuestPolicy
 from torchspec.kv_cache import LayerSpec
@@ -1060,6 +1061,90 @@ def test_pillar_quest_pages_come_from_the_first_draft_query_of_the_round():
     policy.on_verify(request, torch.stack(mass), first_query)  # a new round
     assert request.round.selections == {}
     assert torch.equal(select(104, 0, other), expected(104, [range(80, 96)]))
+
+
+# -- Query sketch: a round's positions from its first draft query, scored on a compact key sketch ---------------
+def test_key_sketches_approximate_the_logits_and_are_exact_at_full_width():
+    """``exact`` gives q.k; low-rank and channel sketches as wide as the head (fitted on the same keys) give it
+    too, and int4 nearly (RoPE pairs: a channel sketch keeps channels i and i + D/2 together); every configured
+    name has a sketch, with its bytes a key."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(50, 2, 16, generator=generator) * torch.linspace(0.1, 2.0, 16)
+    query = torch.randn(2, 3, 16, generator=generator)
+    exact = torch.einsum("hgd,lhd->hgl", query, keys)
+    assert set(KEY_SKETCHES) == set(config.KEY_SKETCHES)
+    assert torch.allclose(KEY_SKETCHES["exact"].logits(query, keys, ()), exact)
+    for kind in ("lowrank", "channels"):
+        full = KeySketch(kind, 16)
+        assert torch.allclose(full.logits(query, keys, full.fit(keys)), exact, atol=1e-4), kind
+    int4 = KEY_SKETCHES["int4"].logits(query, keys, ())
+    assert torch.corrcoef(torch.stack([int4.flatten(), exact.flatten()]))[0, 1] > 0.98
+    (channels,) = KEY_SKETCHES["channels8"].fit(keys)
+    assert channels.shape == (2, 8) and torch.equal(channels[:, 4:], channels[:, :4] + 8)
+    assert set(channels[0, 4:].tolist()) == {12, 13, 14, 15}  # the strongest pairs: (4..7, 12..15)
+    mean, basis = KEY_SKETCHES["lowrank8"].fit(keys)
+    assert mean.shape == (2, 16) and basis.shape == (2, 16, 8)
+    assert [KEY_SKETCHES[name].bytes_per_key(64) for name in ("exact", "int4", "lowrank16", "channels8")] == [
+        128,
+        34,
+        32,
+        16,
+    ]
+
+
+def test_query_sketch_picks_the_first_draft_querys_heaviest_positions_once_a_round():
+    """After a verify, a round's drafts read the sinks, the window before the verify and everything since, and
+    within the rest of the budget the positions of most (exact-sketch) attention mass for the round's first draft
+    query, per layer; the round's later drafts reuse them whatever their query; the next verify starts afresh."""
+    policy = POLICIES["query_sketch"](
+        SpecConfig(
+            draft="query_sketch", k=4, num_sinks=2, recent_window=3, min_budget=24, sparsity=0.01, key_sketch="exact"
+        ),
+        _layer_specs([None, 8, None]),
+    )
+    request = _request(104)
+    policy.on_verifies([request], None, [0], [104], [99])  # queries 99..103, the window 96..98
+    assert request.round.recent_start == 96
+    keys = 0.01 * torch.randn(110, 2, 16, generator=torch.Generator().manual_seed(2))
+    heavy = {0: [10, 40, 41, 77], 1: [5, 6, 60, 90]}
+    for head, positions in heavy.items():
+        keys[positions, head, 0] = 5.0
+    first, other = torch.zeros(4, 16), torch.zeros(4, 16)
+    first[:, 0], other[:, 1] = 10.0, 10.0
+
+    def select(position: int, layer: int, query: torch.Tensor) -> torch.Tensor:
+        return policy.select_positions(request, position, layer, query, keys[: position + 1], 0.25)
+
+    # Budget 24 at 105 positions: 9 recent (96..104), 2 sinks, 13 picks; the 4 heavy positions lead them.
+    chosen = select(104, 0, first)
+    for head, positions in heavy.items():
+        row = chosen[head].tolist()
+        assert row[:2] == [0, 1] and row[-9:] == list(range(96, 105)) and len(row) == 24
+        assert set(positions) <= set(row[2:-9]) and row == sorted(row)
+    assert torch.equal(select(105, 0, other)[:, :-10], chosen[:, :-9])  # the next draft reuses the picks
+    policy.on_verifies([request], None, [0], [109], [105])
+    assert request.round.selections == {} and request.round.recent_start == 102
+    assert not set(heavy[0]) <= set(select(109, 0, other)[0].tolist())  # a new round: the new query's picks
+
+
+@pytest.mark.parametrize("sketch", ["int4", "lowrank8", "channels8"])
+def test_query_sketch_with_room_for_picks_is_lossless(sketch, baseline, monkeypatch):
+    """With a 1-token window and no sinks the budget leaves room for picks: output is draft=None's for each kind
+    of sketch, and drafts read older positions that are neither sinks nor in the window."""
+    expected = baseline(GQA, BATCH)
+    options = {"recent_window": 1, "num_sinks": 0, "key_sketch": sketch}
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft="query_sketch", k=4, **options, **MEDIUM)
+    actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    _rows_equal(expected, actual, f"query_sketch {sketch}")
+    check_bookkeeping(wrapped, recorder)
+    check_rounds_happened(wrapped, recorder)
+    picked = [
+        call
+        for call in recorder.draft_calls
+        if int((call.positions >= 0).sum(dim=-1).max()) < call.position + 1  # sparse
+        and bool(((call.positions >= 0) & (call.positions < call.recent_start)).any())
+    ]
+    assert picked, "no sparse draft read a picked position"
 
 
 def test_pillar_quest_with_room_for_pages_is_lossless(baseline, monkeypatch):

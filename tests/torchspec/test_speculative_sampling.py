@@ -466,7 +466,8 @@ def sampled_tokens(
         seeds.get((draft, draft_chain, delayed_verify), 6) + (7 if cuda_graphs else 0) + (11 if unified_schedule else 0)
     )
     wrapped = _wrap(draft, NUM_SAMPLES, PROMPT, NEW_TOKENS, draft_chain, delayed_verify, cuda_graphs, unified_schedule)
-    assert wrapped.engine.draft_chain is (draft == "pillar" and draft_chain is None and not unified_schedule)
+    chained = draft in ("pillar", "query_sketch") and draft_chain is None and not unified_schedule
+    assert wrapped.engine.draft_chain is chained
     assert wrapped.engine.delayed_verify is (draft is None if delayed_verify is None else delayed_verify)
     outputs = generate(wrapped, seed, PROMPT, NUM_SAMPLES, NEW_TOKENS, **SAMPLING[sampling])
     if cuda_graphs and wrapped.engine.draft_chain:
@@ -520,14 +521,16 @@ def test_plain_sampling_matches_the_exact_distribution(sampling, delayed_verify)
         ("pillar", None, None, True, False),
         ("pillar", None, None, True, True),
         ("ngram", None, None, None, False),
+        ("query_sketch", None, None, None, False),
     ],
-    ids=["pillar", "pillar-graphs", "pillar-stepwise", "pillar-delayed", "pillar-unified-delayed", "ngram"],
+    ids=["pillar", "pillar-graphs", "pillar-stepwise", "pillar-delayed", "pillar-unified-delayed", "ngram", "sketch"],
 )
 def test_speculative_sampling_is_lossless(draft, draft_chain, cuda_graphs, delayed_verify, unified_schedule, sampling):
     """Speculative decoding samples exactly the target distribution: 1200 samples of the first 4 tokens from one
     prompt (token 1 from the prefill, tokens 2-3 drafted and verified, token 4 a bonus or a new round), each
     token and each adjacent pair against the exact distribution, and tokens 1 and 1-2 against draft=None samples
-    (two-sample chi-square). Bonferroni over the 9 comparisons. PillarAttn runs both ways: a round's drafts
+    (two-sample chi-square). Bonferroni over the 9 comparisons. The query sketch's drafts choose their positions
+    inside attention, chained. PillarAttn runs both ways: a round's drafts
     chained in one step (sampled on the device, each fed to the next forward), the same through the padded
     static path of CUDA graphs (its chain graph samples temperature-only settings itself), one draft per step, and
     with delayed verification (the batch's halves alternate, each launched while the other is read back), and so

@@ -20,7 +20,7 @@ import torch
 from torchspec import sparsespec
 from torchspec.bench.report import plot_acceptance_vs_context
 from torchspec.bench.throughput import context_bins
-from torchspec.config import DRAFT_POLICIES
+from torchspec.config import DRAFT_POLICIES, KEY_SKETCHES, SpecConfig
 from torchspec.models import load_model
 from torchspec.workloads import reasoning_prompt_ids
 
@@ -36,12 +36,20 @@ class Variant:
 
 def default_variants() -> list[Variant]:
     """Every registered policy at its defaults, the paper's PillarAttn with one of pillar_recent's two additions
-    at a time (the ablation), and pillar_recent with head budgets or learning from every other round."""
+    at a time (the ablation), pillar_recent with head budgets or learning from every other round, and the query
+    sketch draft with each other key sketch, and with successors."""
     variants = [Variant(name, {"draft": name}) for name in DRAFT_POLICIES]
     variants.append(Variant("pillar + recent 64", {"draft": "pillar", "recent_window": 64}))
     variants.append(Variant("pillar + successors 4", {"draft": "pillar", "successors": 4}))
     variants.append(Variant("pillar_recent + head budgets", {"draft": "pillar_recent", "head_budgets": True}))
     variants.append(Variant("pillar_recent + relearn 2", {"draft": "pillar_recent", "relearn_rounds": 2}))
+    default_sketch = SpecConfig().key_sketch
+    variants += [
+        Variant(f"query_sketch {name}", {"draft": "query_sketch", "key_sketch": name})
+        for name in KEY_SKETCHES
+        if name != default_sketch
+    ]
+    variants.append(Variant("query_sketch + successors 4", {"draft": "query_sketch", "successors": 4}))
     return variants  # pillar_recent (a registered policy) is pillar + recent 64 + successors 4
 
 

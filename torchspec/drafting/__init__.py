@@ -12,6 +12,7 @@ from torchspec.drafting.oracle import OraclePolicy
 from torchspec.drafting.pillar import PillarPolicy
 from torchspec.drafting.pillar_quest import PillarQuestPolicy
 from torchspec.drafting.pillar_recent import PillarRecentPolicy
+from torchspec.drafting.query_sketch import QuerySketchPolicy
 from torchspec.drafting.quest import QuestPolicy
 from torchspec.drafting.sparsespec_l import SparseSpecLPolicy
 from torchspec.drafting.streaming import StreamingPolicy
@@ -28,6 +29,7 @@ POLICIES: dict[str, type[DraftPolicy]] = {
         SparseSpecLPolicy,
         OraclePolicy,
         PillarQuestPolicy,
+        QuerySketchPolicy,
     )
 }
 

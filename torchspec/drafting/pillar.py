@@ -107,7 +107,7 @@ class PillarPolicy(DraftPolicy):
         if self.config.head_budgets:  # per request: its own Top-K over all heads of a layer
             for request, row, sink, old, count in picked:
                 picks = _head_budget_picks(mass[..., row, sink:old], count)
-                self._store(request, _expand_successors(torch.where(picks >= 0, picks + sink, -1), span, old), sink)
+                self._store(request, expand_successors(torch.where(picks >= 0, picks + sink, -1), span, old), sink)
             return
         meta = to_device([sinks, older, counts], device)
         sink, old, count = (column[:, None] for column in meta)  # [J, 1]
@@ -119,7 +119,7 @@ class PillarPolicy(DraftPolicy):
         scores = scores.masked_fill(~candidate, float("-inf"))
         # [J, layers, Hkv, max count]: each row's picks in ascending order after its -1 padding, a pattern already.
         picks = self.ops.top_k_positions(scores, count[:, 0], max(counts)).permute(2, 0, 1, 3)
-        patterns = picks if span == 1 else _expand_successors(picks, span, old[:, :, None, None])
+        patterns = picks if span == 1 else expand_successors(picks, span, old[:, :, None, None])
         # Each request's rows trimmed to its own Top-K: one slice and one unbind per distinct width (a batch's
         # requests share a few), not a view per request (256 of a round's ~640 host ops at batch 256).
         trimmed: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -156,7 +156,7 @@ def _head_budget_picks(scores: torch.Tensor, count: int) -> torch.Tensor:
     return positions.sort(dim=-1, descending=True).values[..., :width]
 
 
-def _expand_successors(picks: torch.Tensor, span: int, limit: int) -> torch.Tensor:
+def expand_successors(picks: torch.Tensor, span: int, limit: int) -> torch.Tensor:
     """Each pick and the ``span - 1`` positions after it, sorted per row; positions >= ``limit``, repeats and
     the successors of -1 picks become -1 (padding that attention skips), so every row keeps the same length."""
     if span == 1:

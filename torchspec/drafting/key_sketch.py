@@ -1,0 +1,82 @@
+"""Key sketches: compact copies of the cached keys that approximate a query's logits ``q . k`` for every position.
+
+A query-aware draft (``query_sketch``) scores the whole context once a round from its first draft query; reading
+the full keys for that would cost a verify's K reads. A sketch keeps a few bytes a key instead (written beside
+the K/V as it is stored, on the device), chosen here by kind and width:
+
+- ``int``: each key quantised symmetrically to ``width`` bits a channel, one scale a key and KV head;
+- ``lowrank``: each key projected on the ``width`` principal directions of the request's prompt keys (per
+  layer and KV head; Loki-style), plus their mean;
+- ``channels``: the ``width`` channels of largest energy in the prompt keys, taken as rotary pairs (a pair's
+  norm does not change as RoPE rotates it with the position, so the prompt's choice holds at any length);
+- ``exact``: the keys themselves (the bound the others approach, at a full read of K).
+
+Scores are computed here from the full keys, which gives exactly the numbers a stored sketch would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KeySketch:
+    kind: str  # exact, int, lowrank or channels
+    width: int  # bits a channel (int), directions (lowrank), channels (channels); unused for exact
+
+    def bytes_per_key(self, head_dim: int) -> float:
+        """Bytes a position and KV head holds (bf16 values, an fp16 scale for ``int``)."""
+        if self.kind == "exact":
+            return 2.0 * head_dim
+        if self.kind == "int":
+            return head_dim * self.width / 8 + 2
+        return 2.0 * self.width
+
+    def fit(self, prompt_keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the sketch learns from a request's prompt keys ``[P, Hkv, D]`` of one layer (nothing for
+        ``exact`` and ``int``): ``lowrank`` the keys' mean ``[Hkv, D]`` and principal directions ``[Hkv, D, r]``,
+        ``channels`` the channel indices ``[Hkv, r]``."""
+        keys = prompt_keys.float().transpose(0, 1)  # [Hkv, P, D]
+        if self.kind == "lowrank":
+            mean = keys.mean(dim=1)
+            _, _, vh = torch.linalg.svd(keys - mean[:, None], full_matrices=False)  # vh: [Hkv, min(P, D), D]
+            return mean, vh[:, : self.width].transpose(1, 2)
+        if self.kind == "channels":
+            half = keys.shape[-1] // 2
+            energy = keys.square().mean(dim=1)  # [Hkv, D]
+            pairs = (energy[:, :half] + energy[:, half:]).topk(min(self.width // 2, half), dim=-1).indices
+            return (torch.cat([pairs, pairs + half], dim=-1).sort(dim=-1).values,)
+        return ()
+
+    def logits(self, query: torch.Tensor, keys: torch.Tensor, fitted: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Approximate ``q . k`` of each query head of a GQA group, ``query`` ``[Hkv, G, D]``, against every key
+        ``[L, Hkv, D]``: ``[Hkv, G, L]`` in fp32 (unscaled)."""
+        query, keys = query.float(), keys.float()
+        if self.kind == "int":
+            levels = 2 ** (self.width - 1) - 1
+            scale = keys.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / levels
+            keys = (keys / scale).round().clamp(-levels, levels) * scale
+        elif self.kind == "lowrank":
+            mean, basis = fitted
+            reduced = torch.einsum("lhd,hdr->lhr", keys - mean, basis)
+            along_mean = torch.einsum("hgd,hd->hg", query, mean)[..., None]
+            return torch.einsum("hgd,hdr,lhr->hgl", query, basis, reduced) + along_mean
+        elif self.kind == "channels":
+            (channels,) = fitted
+            query = query.gather(-1, channels[:, None].expand(-1, query.shape[1], -1))
+            keys = keys.gather(-1, channels.expand(keys.shape[0], -1, -1))
+        return torch.einsum("hgd,lhd->hgl", query, keys)
+
+
+#: The sketches ``SpecConfig.key_sketch`` names (``torchspec.config.KEY_SKETCHES``).
+KEY_SKETCHES: dict[str, KeySketch] = {
+    "exact": KeySketch("exact", 0),
+    "int4": KeySketch("int", 4),
+    "int2": KeySketch("int", 2),
+    "lowrank16": KeySketch("lowrank", 16),
+    "lowrank8": KeySketch("lowrank", 8),
+    "channels16": KeySketch("channels", 16),
+    "channels8": KeySketch("channels", 8),
+}
