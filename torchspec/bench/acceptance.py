@@ -50,6 +50,9 @@ def default_variants() -> list[Variant]:
         if name != default_sketch
     ]
     variants.append(Variant("query_sketch + successors 4", {"draft": "query_sketch", "successors": 4}))
+    for name in ("int4", "exact"):  # every older position of the budget a pick: a 1-token window, no sinks
+        options = {"draft": "query_sketch", "key_sketch": name, "recent_window": 1, "num_sinks": 0}
+        variants.append(Variant(f"query_sketch {name}, picks only", options))
     return variants  # pillar_recent (a registered policy) is pillar + recent 64 + successors 4
 
 
