@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +17,7 @@ from torchspec.bench import suite
 from torchspec.causal_lm import RequestOutput, SparseSpecForCausalLM
 from torchspec.config import DEFAULT_DRAFT, DRAFT_POLICIES
 from torchspec.models import DEFAULT_MODEL_NAME, load_model
-from torchspec.parallel import init_distributed, launched_world_size, rank_device
+from torchspec.parallel import init_distributed, launched_rank, launched_world_size, rank_device
 from torchspec.parallel.replicas import generate_replicated
 from torchspec.workloads import chat_token_ids, read_prompts
 
@@ -77,7 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
         texts = [args.prompt]
     with contextlib.ExitStack() as stack:
         # Open the output first: a bad path fails now, not after the whole generation. Rank 0 reports for all.
-        report = int(os.environ.get("RANK", "0")) == 0
+        report = launched_rank() == 0
         sink = stack.enter_context(open(args.output, "w")) if args.output and report else None
         model, tokenizer = _load(args)
         prompts = [

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention import BACKENDS
+from torchspec.key_sketch import KEY_SKETCHES as SKETCHES
 from torchspec.kv_cache import DEFAULT_DEVICE_MEMORY_FRACTION
 
 #: Draft policies (registered in ``torchspec.drafting``); ``None`` decodes without speculation.
@@ -21,8 +22,8 @@ DRAFT_POLICIES: tuple[str, ...] = (
     "pillar_quest",
     "query_sketch",
 )
-#: Key sketches the ``query_sketch`` draft scores a round's positions on (``torchspec.drafting.key_sketch``).
-KEY_SKETCHES: tuple[str, ...] = ("int4", "int2", "lowrank16", "lowrank8", "channels16", "channels8", "exact")
+#: Key sketches the ``query_sketch`` draft scores a round's positions on.
+KEY_SKETCHES: tuple[str, ...] = tuple(SKETCHES)
 #: The default draft: the best real policy measured on the embedded model (docs/acceptance.md).
 DEFAULT_DRAFT = "pillar_recent"
 
@@ -53,7 +54,7 @@ class SpecConfig:
             same budget (copy/induction attention moves forward with the query; 0 = the policy's own: none
             for ``pillar`` and ``query_sketch``, 4 for ``pillar_recent``).
         key_sketch: what the ``query_sketch`` draft scores every cached key on, once a round, from the round's
-            first draft query (``torchspec.drafting.key_sketch``): ``int4``/``int2`` (keys quantised to 4 or 2 bits
+            first draft query (``torchspec.key_sketch``): ``int4``/``int2`` (keys quantised to 4 or 2 bits
             a channel), ``lowrank16``/``lowrank8`` (projected on the prompt keys' principal directions),
             ``channels16``/``channels8`` (the prompt keys' strongest rotary channel pairs), ``exact`` (the keys).
         head_budgets: PillarAttn shares each layer's Top-K picks across its KV heads by one Top-K over all of

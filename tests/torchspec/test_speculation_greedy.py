@@ -32,9 +32,9 @@ from tests.torchspec.conftest import (
 from torchspec import SpecConfig, config, sparsespec
 from torchspec.config import DRAFT_POLICIES
 from torchspec.drafting import POLICIES, pillar
-from torchspec.drafting.key_sketch import KEY_SKETCHES, KeySketch
 from torchspec.drafting.pillar import PillarPolicy
 from torchspec.drafting.pillar_quest import PillarQuestPolicy
+from torchspec.key_sketch import KEY_SKETCHES, KeySketch
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request, SamplingParams
 from torchspec.runner import LaunchedStep

@@ -35,7 +35,7 @@ from torchspec.bench.report import write_report
 from torchspec.bench.runs import MethodRun, Workload
 from torchspec.config import DRAFT_POLICIES
 from torchspec.models import DEFAULT_MODEL_NAME, load_model
-from torchspec.parallel import launched_world_size, rank_device
+from torchspec.parallel import launched_rank, launched_world_size, rank_device
 from torchspec.workloads import read_prompts
 
 #: What ``--sweep NAME=V1,V2,...`` can vary: output-len (new tokens a request), batch (requests at once, each
@@ -297,7 +297,7 @@ def _step_costs(args: argparse.Namespace) -> int:
         "temperature": args.temperature,
         "tensor_parallel_size": args.tp,
     }
-    reports = int(os.environ.get("RANK", "0")) == 0  # every rank runs the steps; the first writes and prints
+    reports = launched_rank() == 0  # every rank runs the steps; the first writes and prints
     costs = []
     with _threads(args.threads), tqdm(args.methods, desc="step cost", unit="method", disable=not reports) as bar:
         for method in bar:  # the report written again after each method: a stopped run keeps the finished ones

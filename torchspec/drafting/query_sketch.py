@@ -3,7 +3,7 @@
 PillarAttn picks a round's positions from the previous verify's attention, which goes stale as answers grow;
 a teacher-forced study found that one set a round chosen from the round's first draft query accepts nearly what
 each draft's exact Top-K does (7.85 against 7.90 of 8 on SmolLM2). Scoring every cached key exactly would cost a
-read of K a round; a sketch (``torchspec.drafting.key_sketch``) costs a few bytes a key instead.
+read of K a round; a sketch (``torchspec.key_sketch``) costs a few bytes a key instead.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 
 from torchspec.config import SpecConfig
 from torchspec.drafting.base import DraftPolicy
-from torchspec.drafting.key_sketch import KEY_SKETCHES
 from torchspec.drafting.pillar import expand_successors
 from torchspec.drafting.pillar_recent import DEFAULT_WINDOW
+from torchspec.key_sketch import KEY_SKETCHES
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
 

@@ -7,6 +7,7 @@ top holds what the engine itself uses, so importing it never imports the engine.
 from torchspec.parallel.group import (
     TensorParallel,
     init_distributed,
+    launched_rank,
     launched_world_size,
     rank_device,
     tensor_parallel,
@@ -20,6 +21,7 @@ __all__ = [
     "RowParallelLinear",
     "TensorParallel",
     "init_distributed",
+    "launched_rank",
     "launched_world_size",
     "parallelize",
     "rank_device",

@@ -69,6 +69,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """This process's rank in the world torchrun launched (0 without torchrun): rank 0 reports for all."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def rank_device(device: torch.device) -> torch.device:
     """This rank's own GPU under torchrun (``cuda:LOCAL_RANK``) for a CUDA device; ``device`` otherwise."""
     if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:

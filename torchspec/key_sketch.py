@@ -70,13 +70,13 @@ class KeySketch:
         return torch.einsum("hgd,lhd->hgl", query, keys)
 
 
-#: The sketches ``SpecConfig.key_sketch`` names (``torchspec.config.KEY_SKETCHES``).
+#: The sketches ``SpecConfig.key_sketch`` names.
 KEY_SKETCHES: dict[str, KeySketch] = {
-    "exact": KeySketch("exact", 0),
     "int4": KeySketch("int", 4),
     "int2": KeySketch("int", 2),
     "lowrank16": KeySketch("lowrank", 16),
     "lowrank8": KeySketch("lowrank", 8),
     "channels16": KeySketch("channels", 16),
     "channels8": KeySketch("channels", 8),
+    "exact": KeySketch("exact", 0),
 }
