@@ -370,7 +370,7 @@ class Engine:
             wall_time_s=time.perf_counter() - self._run_start,
             steps=self._run_steps,
             host_ms=dict(self.host_ms),
-            offload=None if self.runner.host is None else self.runner.host.stats,
+            offload=None if self.runner.host is None else self.runner.host.settle(),
         )
 
     def new_request(self, request_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> Request:

@@ -3,18 +3,24 @@
 With ``offload=True`` the scheduler admits requests by the slots they hold, not their worst case, and when
 the next step would not fit it moves whole requests (the most recently admitted first) out of the pool; as
 space frees they come back before new requests are admitted (torchspec/scheduler.py decides which and when).
-This module only moves the bytes: a request's computed positions, gathered from its device slots into host
-tensors (pinned on CUDA, so the copies queue on the stream like kernels: the slots given up are rewritten
-only by steps queued after the copy), and scattered back into the new slots it gets on return. A draft
-policy's state is kept as positions, not slots, so it survives the move. On a CPU the host tier is a second
-buffer behind the same code path, which is what CI tests.
+This module only moves the bytes: a request's computed positions, gathered from its device slots, and scattered
+back into the new slots it gets on return. A draft policy's state is kept as positions, not slots, so it
+survives the move. On a CPU the host tier is a second buffer behind the same code path, which is what CI tests.
+
+On CUDA the host<->device copies run on a side stream, so they overlap the forwards instead of queueing
+between them: an offload gathers its rows on the compute stream (a device-to-device copy at HBM speed; the
+slots given up are rewritten only by steps queued after it) and the side stream carries them to pinned host
+memory; a restore brings them back on the side stream, issued while the host runs ahead of the GPU, and the
+compute stream waits for that copy only where it scatters the rows into their new slots. Both copies of a
+request queue on the one side stream, so a restore never reads a host buffer before its offload filled it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +48,7 @@ class OffloadStats:
     peak_device_tokens: int = 0  # most pool slots held at once
     peak_host_tokens: int = 0  # most K/V rows on the host at once
     transfer_s: float = 0.0  # host time spent issuing (on a CPU: doing) the copies
+    copy_s: float = 0.0  # device time of the side stream's copies (CUDA; on a CPU the copies are transfer_s)
 
 
 class HostKVStore:
@@ -52,6 +59,8 @@ class HostKVStore:
         self.device = pool.k[0].device
         self._held: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.stats = OffloadStats()
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # copies not yet counted in copy_s
 
     @property
     def num_requests(self) -> int:
@@ -61,8 +70,11 @@ class HostKVStore:
         """Copy the K/V at ``slots`` (a request's computed positions, in order) to the host."""
         start = time.perf_counter()
         index = to_device(slots, self.device)
-        keys = [self._to_host(k[index]) for k in self.pool.k]
-        self._held[request_id] = (keys, [self._to_host(v[index]) for v in self.pool.v])
+        gathered = [k[index] for k in self.pool.k] + [v[index] for v in self.pool.v]
+        with self._side_stream(to_host=True):
+            held = [self._to_host(rows) for rows in gathered]
+        layers = len(self.pool.k)
+        self._held[request_id] = (held[:layers], held[layers:])
         self.stats.offloaded_tokens += len(slots)
         self.stats.transfer_s += time.perf_counter() - start
 
@@ -71,18 +83,51 @@ class HostKVStore:
         start = time.perf_counter()
         keys, values = self._held.pop(request_id)
         index = to_device(slots, self.device)
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-            self.pool.k[layer][index] = k.to(self.device, non_blocking=True)
-            self.pool.v[layer][index] = v.to(self.device, non_blocking=True)
+        with self._side_stream(to_host=False):
+            staged = [rows.to(self.device, non_blocking=True) for rows in keys + values]
+        for pool, rows in zip(self.pool.k + self.pool.v, staged, strict=True):
+            pool[index] = rows
+            if self._stream is not None:  # made on the side stream, read on the compute stream
+                rows.record_stream(torch.cuda.current_stream(self.device))
         self.stats.restored_tokens += len(slots)
         self.stats.transfer_s += time.perf_counter() - start
+
+    def settle(self) -> OffloadStats:
+        """Wait for the copies in flight and add their device time to ``copy_s`` (at the end of a run)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+            self.stats.copy_s += sum(begin.elapsed_time(end) for begin, end in self._timings) / 1e3
+            self._timings.clear()
+        return self.stats
 
     def drop(self, request_id: int) -> None:
         """Forget a request that will not come back (the run stopped)."""
         self._held.pop(request_id, None)
 
+    @contextlib.contextmanager
+    def _side_stream(self, to_host: bool) -> Iterator[None]:
+        """Run the enclosed copies on the side stream. To the host: after the work queued so far on the compute
+        stream (which gathers the rows), and no forward waits for them (they read rows of their own). To the
+        device: at once (the host buffers were filled earlier on this same stream), and the compute stream's
+        later work (the scatter into the new slots) waits for them."""
+        if self._stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if to_host:
+            self._stream.wait_stream(compute)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._stream):
+            begin.record()
+            yield
+            end.record()
+        if not to_host:
+            compute.wait_stream(self._stream)
+        self._timings.append((begin, end))
+
     def _to_host(self, rows: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
             return rows  # indexing already copied them
+        rows.record_stream(self._stream)  # gathered on the compute stream, read on the side stream
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         return host.copy_(rows, non_blocking=True)

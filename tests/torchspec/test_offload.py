@@ -157,3 +157,20 @@ def test_host_tier_too_small_ends_the_newest_request_with_its_name():
 def test_bad_host_tier_options_are_refused_by_name(options, message):
     with pytest.raises(ValueError, match=message):
         sparsespec.wrap(SPEC.build(), **options)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host tier's side stream exists on CUDA only")
+@pytest.mark.parametrize("draft", [None, "pillar_recent"])
+def test_offload_on_cuda_copies_on_the_side_stream_and_gives_the_same_tokens(draft):
+    """Copies overlapping the forwards must still land before a restored request's next step reads them."""
+    inputs = {name: tensor.cuda() for name, tensor in BATCH.kwargs().items()}
+
+    def generate(options: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        wrapped = sparsespec.wrap(SPEC.build().cuda(), draft=draft, delayed_verify=True, **options)
+        return wrapped.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False), wrapped
+
+    expected, _ = generate(UNCONSTRAINED)
+    actual, wrapped = generate(TIGHT)
+    assert torch.equal(expected, actual), f"{actual}\n{expected}"
+    _assert_moved(wrapped)
+    assert wrapped.last_stats.offload.copy_s > 0, wrapped.last_stats.offload
