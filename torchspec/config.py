@@ -57,6 +57,12 @@ class SpecConfig:
             first draft query (``torchspec.key_sketch``): ``int4``/``int2`` (keys quantised to 4 or 2 bits
             a channel), ``lowrank16``/``lowrank8`` (projected on the prompt keys' principal directions),
             ``channels16``/``channels8`` (the prompt keys' strongest rotary channel pairs), ``exact`` (the keys).
+        sketch_refresh: ``query_sketch`` chooses afresh every ``sketch_refresh`` drafts of a round, from the
+            query of the draft that reaches it (0 = once a round, at its first draft): fresher positions for
+            more sketch reads.
+        sketch_shortlist: with ``sketch_refresh``, a round's later choices rescore only the positions its first
+            draft scored best, ``sketch_shortlist`` times as many as it picks (0 = every older position each
+            time): fewer sketch reads a round.
         head_budgets: PillarAttn shares each layer's Top-K picks across its KV heads by one Top-K over all of
             them (most verify mass kept; each head's mass is relative to its own sink) instead of the same number
             per head.
@@ -146,6 +152,8 @@ class SpecConfig:
     recent_window: int = 0
     successors: int = 0
     key_sketch: str = "int4"
+    sketch_refresh: int = 0
+    sketch_shortlist: int = 0
     head_budgets: bool = False
     relearn_rounds: int = 1
     max_batch_size: int = 256
@@ -183,9 +191,14 @@ class SpecConfig:
         _require(
             self.key_sketch in KEY_SKETCHES, f"key_sketch must be one of {list(KEY_SKETCHES)}, got {self.key_sketch!r}"
         )
-        for name in ("num_sinks", "recent_window", "successors"):
+        for name in ("num_sinks", "recent_window", "successors", "sketch_refresh", "sketch_shortlist"):
             value = getattr(self, name)
             _require(_is_int(value) and value >= 0, f"{name} must be an integer >= 0, got {value!r}")
+        _require(
+            not self.sketch_shortlist or 0 < self.sketch_refresh < self.k,
+            f"sketch_shortlist={self.sketch_shortlist} is rescored by a round's later choices: set sketch_refresh "
+            f"between 1 and k - 1 = {self.k - 1} (got {self.sketch_refresh}), or sketch_shortlist=0",
+        )
         _require(
             _is_int(self.relearn_rounds) and self.relearn_rounds >= 1,
             f"relearn_rounds must be an integer >= 1, got {self.relearn_rounds!r}",

@@ -76,6 +76,7 @@ KEY_SKETCHES: dict[str, KeySketch] = {
     "int2": KeySketch("int", 2),
     "lowrank16": KeySketch("lowrank", 16),
     "lowrank8": KeySketch("lowrank", 8),
+    "lowrank4": KeySketch("lowrank", 4),
     "channels16": KeySketch("channels", 16),
     "channels8": KeySketch("channels", 8),
     "exact": KeySketch("exact", 0),

@@ -11,9 +11,10 @@ tests check that rounds happened, so none passes vacuously, and that no KV slot 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import unittest.mock
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1127,12 +1128,60 @@ def test_query_sketch_picks_the_first_draft_querys_heaviest_positions_once_a_rou
     assert not set(heavy[0]) <= set(select(109, 0, other)[0].tolist())  # a new round: the new query's picks
 
 
-@pytest.mark.parametrize("sketch", ["int4", "lowrank8", "channels8"])
-def test_query_sketch_with_room_for_picks_is_lossless(sketch, baseline, monkeypatch):
+def _sketch_picks(**options: Any) -> Callable[[int, str], set[int]]:
+    """A query_sketch policy (exact keys, 5 picks a draft) over keys where position 10 answers query "first" and
+    20 answers "other" (each the last choice of the other query): its older positions at a draft position."""
+    config = SpecConfig(
+        draft="query_sketch", k=4, num_sinks=0, recent_window=1, min_budget=8, sparsity=0.01, key_sketch="exact"
+    )
+    policy = POLICIES["query_sketch"](dataclasses.replace(config, **options), _layer_specs([None, 8, None]))
+    request = _request(100)
+    policy.on_verifies([request], None, [0], [100], [99])
+    keys = torch.zeros(110, 2, 16)
+    keys[10, :, 0], keys[20, :, 1] = 5.0, 5.0
+    keys[10, :, 1], keys[20, :, 0] = -5.0, -5.0
+    queries = {"first": torch.zeros(4, 16), "other": torch.zeros(4, 16)}
+    queries["first"][:, 0], queries["other"][:, 1] = 10.0, 10.0
+
+    def picks(position: int, query: str) -> set[int]:
+        chosen = policy.select_positions(request, position, 0, queries[query], keys[: position + 1], 0.25)
+        return set(chosen[0].tolist()) - set(range(request.round.recent_start, position + 1))
+
+    return picks
+
+
+def test_query_sketch_refresh_chooses_afresh_every_so_many_drafts():
+    """With ``sketch_refresh=2`` a selection serves its draft and the next; the draft after chooses from its own
+    query (the oracle's freshness at ``sketch_refresh=1``)."""
+    picks = _sketch_picks(sketch_refresh=2)
+    assert 10 in picks(100, "first") and 20 not in picks(100, "first")
+    assert picks(101, "other") <= picks(100, "first")  # still the first draft's choice (one pick fewer)
+    assert 20 in picks(102, "other") and 10 not in picks(102, "other")  # chosen afresh from its own query
+
+
+def test_query_sketch_shortlist_rescores_only_the_first_drafts_best():
+    """With ``sketch_shortlist=1`` a round's later choices pick among the first draft's picks only: position 20,
+    the later query's best, was not among them."""
+    picks = _sketch_picks(sketch_refresh=1, sketch_shortlist=1)
+    first = picks(100, "first")
+    assert 10 in first and len(first) == 5
+    later = picks(101, "other")  # one position more since the verify: 4 picks
+    assert len(later) == 4 and later < first and 20 not in later
+    wider = _sketch_picks(sketch_refresh=1, sketch_shortlist=20)  # the shortlist holds every older position
+    wider(100, "first")
+    assert 20 in wider(101, "other")
+
+
+@pytest.mark.parametrize(
+    "sketch, refresh, shortlist", [("int4", 0, 0), ("lowrank8", 0, 0), ("channels8", 0, 0), ("int4", 1, 2)]
+)
+def test_query_sketch_with_room_for_picks_is_lossless(sketch, refresh, shortlist, baseline, monkeypatch):
     """With a 1-token window and no sinks the budget leaves room for picks: output is draft=None's for each kind
-    of sketch, and drafts read older positions that are neither sinks nor in the window."""
+    of sketch, chosen once a round or for every draft (from a shortlist), and drafts read older positions that
+    are neither sinks nor in the window."""
     expected = baseline(GQA, BATCH)
     options = {"recent_window": 1, "num_sinks": 0, "key_sketch": sketch}
+    options |= {"sketch_refresh": refresh, "sketch_shortlist": shortlist}
     wrapped, recorder = _wrap(GQA, monkeypatch, draft="query_sketch", k=4, **options, **MEDIUM)
     actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     _rows_equal(expected, actual, f"query_sketch {sketch}")
@@ -1185,6 +1234,12 @@ BAD_OPTIONS = [
     pytest.param({"draft": 1}, r"unknown draft policy 1", id="draft=1"),
     pytest.param({"draft_chain": "yes"}, r"draft_chain must be None, True or False", id="draft_chain=str"),
     pytest.param({"relearn_rounds": 0}, r"relearn_rounds must be an integer >= 1, got 0", id="relearn_rounds=0"),
+    pytest.param({"sketch_refresh": -1}, r"sketch_refresh must be an integer >= 0, got -1", id="sketch_refresh<0"),
+    pytest.param(
+        {"draft": "query_sketch", "sketch_shortlist": 4},
+        r"sketch_shortlist=4 is rescored by a round's later choices: set sketch_refresh between 1 and k - 1 = 7",
+        id="shortlist_without_refresh",
+    ),
     pytest.param(
         {"draft_step_budget": -1}, r"draft_step_budget must be None or an integer >= 0, got -1", id="step_budget<0"
     ),

@@ -53,6 +53,12 @@ def default_variants() -> list[Variant]:
     for name in ("int4", "exact"):  # every older position of the budget a pick: a 1-token window, no sinks
         options = {"draft": "query_sketch", "key_sketch": name, "recent_window": 1, "num_sinks": 0}
         variants.append(Variant(f"query_sketch {name}, picks only", options))
+    for name, refresh in (("exact", 1), ("int4", 1), ("lowrank8", 1), ("lowrank4", 1), ("lowrank8", 2), ("int4", 4)):
+        options = {"draft": "query_sketch", "key_sketch": name, "sketch_refresh": refresh}
+        variants.append(Variant(f"query_sketch {name}, every {refresh} drafts", options))
+    for shortlist in (2, 4):
+        options = {"draft": "query_sketch", "sketch_refresh": 1, "sketch_shortlist": shortlist}
+        variants.append(Variant(f"query_sketch int4, every draft, shortlist {shortlist}x", options))
     return variants  # pillar_recent (a registered policy) is pillar + recent 64 + successors 4
 
 
