@@ -88,3 +88,24 @@ def _owners(lengths: torch.Tensor, total: int) -> torch.Tensor:
 def offsets(lengths: np.ndarray) -> np.ndarray:
     """Start offsets of consecutive pieces of ``lengths`` items, and the total at the end."""
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+@dataclass
+class DraftKeys:
+    """The cached keys a query-aware policy scores for one layer and one draft forward's requests (request ``j``
+    at slot-table row ``rows[j]``), gathered on the device where the policy asks."""
+
+    table: SlotTable
+    k_cache: torch.Tensor  # [slots, Hkv, D]
+    rows: torch.Tensor  # [N] on the device
+
+    def at(self, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys ``[n, Hkv, S, D]`` of requests ``requests`` (``[n]``, indices into the forward's) at ``positions``
+        (``[n, Hkv, S]``, each KV head its own; -1 = padding, its key is position 0's)."""
+        slots = self.table.slots[self.rows[requests][:, None, None], positions.clamp(min=0)]
+        heads = torch.arange(self.k_cache.shape[1], device=slots.device)[None, :, None]
+        return self.k_cache[slots, heads]
+
+    def up_to(self, j: int, position: int) -> torch.Tensor:
+        """Keys ``[position + 1, Hkv, D]`` of request ``j`` at positions 0 .. ``position``."""
+        return self.k_cache[self.table.slots[self.rows[j], : position + 1]]

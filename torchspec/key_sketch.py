@@ -51,8 +51,9 @@ class KeySketch:
         return ()
 
     def logits(self, query: torch.Tensor, keys: torch.Tensor, fitted: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Approximate ``q . k`` of each query head of a GQA group, ``query`` ``[Hkv, G, D]``, against every key
-        ``[L, Hkv, D]``: ``[Hkv, G, L]`` in fp32 (unscaled)."""
+        """Approximate ``q . k`` of each query head of a GQA group against keys of its KV head, for a batch of
+        requests: ``query`` ``[N, Hkv, G, D]``, ``keys`` ``[N, Hkv, S, D]``, ``fitted`` each request's ``fit``
+        stacked; ``[N, Hkv, G, S]`` in fp32 (unscaled)."""
         query, keys = query.float(), keys.float()
         if self.kind == "int":
             levels = 2 ** (self.width - 1) - 1
@@ -60,14 +61,14 @@ class KeySketch:
             keys = (keys / scale).round().clamp(-levels, levels) * scale
         elif self.kind == "lowrank":
             mean, basis = fitted
-            reduced = torch.einsum("lhd,hdr->lhr", keys - mean, basis)
-            along_mean = torch.einsum("hgd,hd->hg", query, mean)[..., None]
-            return torch.einsum("hgd,hdr,lhr->hgl", query, basis, reduced) + along_mean
+            reduced = torch.einsum("nhsd,nhdr->nhsr", keys - mean[:, :, None], basis)
+            along_mean = torch.einsum("nhgd,nhd->nhg", query, mean)[..., None]
+            return torch.einsum("nhgd,nhdr,nhsr->nhgs", query, basis, reduced) + along_mean
         elif self.kind == "channels":
             (channels,) = fitted
-            query = query.gather(-1, channels[:, None].expand(-1, query.shape[1], -1))
-            keys = keys.gather(-1, channels.expand(keys.shape[0], -1, -1))
-        return torch.einsum("hgd,lhd->hgl", query, keys)
+            query = query.gather(-1, channels[:, :, None].expand(-1, -1, query.shape[2], -1))
+            keys = keys.gather(-1, channels[:, :, None].expand(-1, -1, keys.shape[2], -1))
+        return torch.einsum("nhgd,nhsd->nhgs", query, keys)
 
 
 #: The sketches ``SpecConfig.key_sketch`` names.

@@ -18,7 +18,7 @@ import torch
 from attention.reference import MAX_SCORED_ROWS
 from torchspec.chain_graphs import ChainGraphs, ChainInputs
 from torchspec.cuda_graphs import StepGraphs
-from torchspec.draft_lists import RoundLists, build_lists, offsets
+from torchspec.draft_lists import DraftKeys, RoundLists, build_lists, offsets
 from torchspec.draft_probs import DraftProbsStore
 from torchspec.draft_sampling import DraftSampling
 from torchspec.drafting import DraftPolicy
@@ -251,22 +251,19 @@ class Runner:
         }
 
     def _draft_selector(self, items: Sequence[ScheduledRequest]):
-        """For query-aware policies: pick each draft request's lists from the layer's own draft queries."""
+        """For query-aware policies: each layer's lists of the draft requests, chosen by the policy from the
+        layer's own draft queries."""
         if not items or not self.policy.selects_in_attention:
             return None
+        requests = [item.request for item in items]
+        rows = np.fromiter((self.table.row(request) for request in requests), np.int64, len(items))
+        firsts = np.fromiter((item.first_position for item in items), np.int64, len(items))
+        device_rows = self._tensor(rows)
 
         def select(layer: int, queries: torch.Tensor, k_cache: torch.Tensor, scale: float) -> KVView:
-            positions = []
-            for item, query in zip(items, queries, strict=True):
-                slots = self.table.slots[self.table.row(item.request), : item.first_position + 1]
-                chosen = self.policy.select_positions(
-                    item.request, item.first_position, layer, query, k_cache[slots], scale
-                )
-                positions.append(chosen.to(self.device))
-            rows = np.fromiter((self.table.row(item.request) for item in items), np.int64, len(items))
-            firsts = np.fromiter((item.first_position for item in items), np.int64, len(items))
-            shape = (self.num_kv_heads[layer],)
-            return build_lists(self.table, shape, rows, firsts, positions, None)[0]
+            keys = DraftKeys(self.table, k_cache, device_rows)
+            fixed, recent_from = self.policy.select_for_drafts(requests, firsts.tolist(), layer, queries, keys, scale)
+            return build_lists(self.table, (self.num_kv_heads[layer],), rows, firsts, fixed, recent_from)[0]
 
         return select
 

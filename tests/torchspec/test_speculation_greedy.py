@@ -32,6 +32,7 @@ from tests.torchspec.conftest import (
 )
 from torchspec import SpecConfig, config, sparsespec
 from torchspec.config import DRAFT_POLICIES
+from torchspec.draft_lists import DraftKeys
 from torchspec.drafting import POLICIES, pillar
 from torchspec.drafting.pillar import PillarPolicy
 from torchspec.drafting.pillar_quest import PillarQuestPolicy
@@ -40,6 +41,7 @@ from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request, SamplingParams
 from torchspec.runner import LaunchedStep
 from torchspec.scheduler import Phase, StepResult
+from torchspec.slot_table import SlotTable
 from torchspec.workloads import chat_token_ids, read_prompts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -97,8 +99,8 @@ class Verify:
 
 @dataclass
 class DraftCall:
-    """One ``draft_positions`` (or query-aware ``select_positions``) call: the draft position, the positions it
-    attends to, and the policy's state for the request at that time."""
+    """One request's ``draft_positions`` (or query-aware ``select_for_drafts``) answer: the draft position, the
+    positions it attends to, and the policy's state for the request at that time."""
 
     request_id: int
     position: int
@@ -177,19 +179,31 @@ class Recorder:
         monkeypatch.setattr(runner, "collect", spy_collect)
         if policy is None or policy.proposes_tokens:
             return recorder
-        name = "select_positions" if policy.selects_in_attention else "draft_positions"
+        name = "select_for_drafts" if policy.selects_in_attention else "draft_positions"
         positions_of = getattr(policy, name)
+
+        def record(request: Request, position: int, chosen: tuple[torch.Tensor, int]) -> None:
+            state = request.round
+            recorder.draft_calls.append(
+                DraftCall(
+                    request.request_id, position, attended_positions(chosen, position), state.pattern,
+                    state.recent_start,
+                )
+            )  # fmt: skip
 
         def spy_positions(request: Request, position: int, *args: Any) -> Any:
             chosen = positions_of(request, position, *args)
-            positions = chosen if policy.selects_in_attention else attended_positions(chosen, position)
-            state = request.round
-            recorder.draft_calls.append(
-                DraftCall(request.request_id, position, positions, state.pattern, state.recent_start)
-            )
+            record(request, position, chosen)
             return chosen
 
-        monkeypatch.setattr(policy, name, spy_positions)
+        def spy_selections(requests: list[Request], positions: list[int], *args: Any) -> Any:
+            fixed, recent_from = positions_of(requests, positions, *args)
+            for request, position, chosen, first_recent in zip(requests, positions, fixed, recent_from, strict=True):
+                record(request, position, (chosen, int(first_recent)))
+            return fixed, recent_from
+
+        spy = spy_selections if policy.selects_in_attention else spy_positions
+        monkeypatch.setattr(policy, name, spy)
         return recorder
 
     def reset(self) -> None:
@@ -1073,12 +1087,16 @@ def test_key_sketches_approximate_the_logits_and_are_exact_at_full_width():
     keys = torch.randn(50, 2, 16, generator=generator) * torch.linspace(0.1, 2.0, 16)
     query = torch.randn(2, 3, 16, generator=generator)
     exact = torch.einsum("hgd,lhd->hgl", query, keys)
+
+    def logits(sketch: KeySketch, fitted: tuple[torch.Tensor, ...]) -> torch.Tensor:  # a batch of one request
+        return sketch.logits(query[None], keys.transpose(0, 1)[None], tuple(part[None] for part in fitted))[0]
+
     assert set(KEY_SKETCHES) == set(config.KEY_SKETCHES)
-    assert torch.allclose(KEY_SKETCHES["exact"].logits(query, keys, ()), exact)
+    assert torch.allclose(logits(KEY_SKETCHES["exact"], ()), exact)
     for kind in ("lowrank", "channels"):
         full = KeySketch(kind, 16)
-        assert torch.allclose(full.logits(query, keys, full.fit(keys)), exact, atol=1e-4), kind
-    int4 = KEY_SKETCHES["int4"].logits(query, keys, ())
+        assert torch.allclose(logits(full, full.fit(keys)), exact, atol=1e-4), kind
+    int4 = logits(KEY_SKETCHES["int4"], ())
     assert torch.corrcoef(torch.stack([int4.flatten(), exact.flatten()]))[0, 1] > 0.98
     (channels,) = KEY_SKETCHES["channels8"].fit(keys)
     assert channels.shape == (2, 8) and torch.equal(channels[:, 4:], channels[:, :4] + 8)
@@ -1091,6 +1109,18 @@ def test_key_sketches_approximate_the_logits_and_are_exact_at_full_width():
         32,
         16,
     ]
+
+
+def _sketch_select(
+    policy: Any, request: Request, position: int, layer: int, query: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """What a query-aware policy's draft at ``position`` of ``request`` attends to, alone in its forward, over
+    ``keys`` ``[positions, Hkv, D]`` held in slots 0, 1, ..."""
+    table = SlotTable(keys.device)
+    table.slots = torch.arange(keys.shape[0])[None]
+    draft_keys = DraftKeys(table, keys, torch.zeros(1, dtype=torch.int64))
+    fixed, recent_from = policy.select_for_drafts([request], [position], layer, query[None], draft_keys, 0.25)
+    return attended_positions((fixed[0], int(recent_from[0])), position)
 
 
 def test_query_sketch_picks_the_first_draft_querys_heaviest_positions_once_a_round():
@@ -1114,7 +1144,7 @@ def test_query_sketch_picks_the_first_draft_querys_heaviest_positions_once_a_rou
     first[:, 0], other[:, 1] = 10.0, 10.0
 
     def select(position: int, layer: int, query: torch.Tensor) -> torch.Tensor:
-        return policy.select_positions(request, position, layer, query, keys[: position + 1], 0.25)
+        return _sketch_select(policy, request, position, layer, query, keys)
 
     # Budget 24 at 105 positions: 9 recent (96..104), 2 sinks, 13 picks; the 4 heavy positions lead them.
     chosen = select(104, 0, first)
@@ -1144,7 +1174,7 @@ def _sketch_picks(**options: Any) -> Callable[[int, str], set[int]]:
     queries["first"][:, 0], queries["other"][:, 1] = 10.0, 10.0
 
     def picks(position: int, query: str) -> set[int]:
-        chosen = policy.select_positions(request, position, 0, queries[query], keys[: position + 1], 0.25)
+        chosen = _sketch_select(policy, request, position, 0, queries[query], keys)
         return set(chosen[0].tolist()) - set(range(request.round.recent_start, position + 1))
 
     return picks

@@ -56,7 +56,7 @@ def default_variants() -> list[Variant]:
     for name, refresh in (("exact", 1), ("int4", 1), ("lowrank8", 1), ("lowrank4", 1), ("lowrank8", 2), ("int4", 4)):
         options = {"draft": "query_sketch", "key_sketch": name, "sketch_refresh": refresh}
         variants.append(Variant(f"query_sketch {name}, every {refresh} drafts", options))
-    for shortlist in (2, 4):
+    for shortlist in (2, 4, 8):
         options = {"draft": "query_sketch", "sketch_refresh": 1, "sketch_shortlist": shortlist}
         variants.append(Variant(f"query_sketch int4, every draft, shortlist {shortlist}x", options))
     return variants  # pillar_recent (a registered policy) is pillar + recent 64 + successors 4
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--min-budget", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--policies", nargs="*", help="labels of the variants to run (default: all)")
+    parser.add_argument("--policies", nargs="*", help="labels of the variants to run, or to tabulate (default: all)")
     parser.add_argument("--out", help="write the markdown table here")
     parser.add_argument("--json", help="write the raw per-round results here")
     parser.add_argument("--plot", help="write the acceptance-vs-context plot here (PNG)")
@@ -148,6 +148,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.merge:
         results = [result for path in args.merge for result in json.loads(Path(path).read_text())]
+        results = [result for result in results if not args.policies or result["label"] in args.policies]
         spec = {"k": args.k, "sparsity": args.sparsity, "min_budget": args.min_budget}
         report(results, args.command, args.machine, spec, args.out, args.plot)
         return

@@ -13,10 +13,12 @@ from collections.abc import Sequence
 from types import ModuleType, SimpleNamespace
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 import attention
 from torchspec.config import SpecConfig
+from torchspec.draft_lists import DraftKeys
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
 
@@ -29,7 +31,7 @@ class DraftPolicy:
     proposes_tokens: ClassVar[bool] = False
     #: ``on_verify`` needs the verify step's attention mass per (full-attention layer, KV head, position).
     uses_verify_scores: ClassVar[bool] = False
-    #: Draft steps choose their positions inside attention, from the layer's own query (``select_positions``).
+    #: Draft steps choose their positions inside attention, from the layer's own query (``select_for_drafts``).
     selects_in_attention: ClassVar[bool] = False
     #: Draft steps report the entropy of their distribution (``request.round.entropies``).
     uses_draft_entropy: ClassVar[bool] = False
@@ -76,6 +78,25 @@ class DraftPolicy:
         Split so the runner builds one list per request and round on the device, of which each draft reads a
         prefix (``torchspec.draft_lists``)."""
         raise NotImplementedError
+
+    def select_for_drafts(
+        self,
+        requests: Sequence[Request],
+        positions: Sequence[int],
+        layer: int,
+        queries: torch.Tensor,
+        keys: DraftKeys,
+        scale: float,
+    ) -> tuple[list[torch.Tensor], np.ndarray]:
+        """Query-aware policies, for one draft forward's requests at once (queries ``[N, num_heads, head_dim]``
+        at ``positions``): each request's positions (``[num_kv_heads, n]``, -1 = padding) and the first of the
+        recent run it also reads, up to its position. By default one ``select_positions`` a request (whose
+        positions end with the recent ones: an empty run)."""
+        chosen = [
+            self.select_positions(request, position, layer, query, keys.up_to(j, position), scale)
+            for j, (request, position, query) in enumerate(zip(requests, positions, queries, strict=True))
+        ]
+        return chosen, np.asarray(positions, dtype=np.int64) + 1
 
     def select_positions(
         self, request: Request, position: int, layer: int, query: torch.Tensor, keys: torch.Tensor, scale: float

@@ -12,22 +12,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from torchspec.config import SpecConfig
+from torchspec.draft_lists import DraftKeys
 from torchspec.drafting.base import DraftPolicy
 from torchspec.drafting.pillar import expand_successors
 from torchspec.drafting.pillar_recent import DEFAULT_WINDOW
 from torchspec.key_sketch import KEY_SKETCHES
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
+from torchspec.transfer import to_device
 
 
 class _Selection(NamedTuple):
     """What a draft chose in one layer: for itself and the drafts after it until the next refresh."""
 
     position: int  # of the draft that chose
-    older: torch.Tensor  # sinks and picks, [num_kv_heads, n]
+    older: torch.Tensor  # sinks and picks, [num_kv_heads, n], -1 = padding
     shortlist: torch.Tensor | None = None  # positions the round's later choices rescore, [num_kv_heads, m]
 
 
@@ -38,8 +41,9 @@ class QuerySketchPolicy(DraftPolicy):
     sketch's logits for the round's first draft query, each with its ``successors`` next positions (default
     none). Chosen once a round and layer, at the first draft, and the round's later drafts reuse them; or
     afresh every ``sketch_refresh`` drafts from the query of the draft that reaches it (scoring only the first
-    choice's ``sketch_shortlist`` x picks best positions, when set). What a sketch learns from the prompt
-    (``fit``) is kept per request and layer in its round ``pattern``."""
+    choice's ``sketch_shortlist`` x picks best positions, when set). A draft forward's requests choose together,
+    in a fixed number of device operations. What a sketch learns from the prompt (``fit``) is kept per request
+    and layer in its round ``pattern``."""
 
     name = "query_sketch"
     selects_in_attention = True
@@ -70,60 +74,138 @@ class QuerySketchPolicy(DraftPolicy):
             request.round.recent_start = max(0, first - window)
             request.round.selections = {}
 
-    def select_positions(
-        self, request: Request, position: int, layer: int, query: torch.Tensor, keys: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        selections = request.round.selections
-        made = selections.get(layer)
-        if made is None or position - made.position >= self.refresh:
-            shortlist = None if made is None else made.shortlist
-            selections[layer] = self._select_older(request, position, layer, query, keys, scale, shortlist)
-        return self.with_recent(request, position, selections[layer].older)
-
-    def _select_older(
+    def select_for_drafts(
         self,
-        request: Request,
-        position: int,
+        requests: Sequence[Request],
+        positions: Sequence[int],
         layer: int,
-        query: torch.Tensor,
-        keys: torch.Tensor,
+        queries: torch.Tensor,
+        keys: DraftKeys,
         scale: float,
-        shortlist: torch.Tensor | None,
-    ) -> _Selection:
-        """The sinks and picks among the positions before ``recent_start`` (``[num_kv_heads, n]``, -1 =
-        padding), scored among ``shortlist`` when given, else among all of them (then keeping the best
-        ``sketch_shortlist`` x picks as the round's shortlist)."""
-        num_kv_heads, device = keys.shape[1], keys.device
-        older = request.round.recent_start
-        sinks = min(self.num_sinks, older)
-        room = self.budget(position + 1) - (position + 1 - older) - sinks
-        if room >= older - sinks:  # the budget holds every older position
-            return _Selection(position, torch.arange(older, device=device).expand(num_kv_heads, -1))
-        sink_positions = torch.arange(sinks, device=device).expand(num_kv_heads, -1)
-        if room <= 0:
-            return _Selection(position, sink_positions)
-        span = self.successors + 1
-        scored = torch.arange(older, device=device).expand(num_kv_heads, -1)
-        if shortlist is not None:  # the sinks too: they weigh in each query head's softmax
-            scored = torch.cat([sink_positions, shortlist], dim=-1)
-        grouped = query.reshape(num_kv_heads, -1, query.shape[-1])  # [Hkv, G, D]
-        scored_keys = keys[scored, torch.arange(num_kv_heads, device=device)[:, None]].transpose(0, 1)  # [S, Hkv, D]
-        logits = self.sketch.logits(grouped, scored_keys, self._fitted(request, layer, keys)) * scale
-        mass = logits.softmax(dim=-1).mean(dim=1)[:, sinks:]  # [Hkv, candidates]
-        candidates = scored[:, sinks:]
-        count = max(1, room // span)
-        picks = candidates.gather(1, mass.topk(count, dim=-1).indices)
-        if shortlist is None and self.shortlist:
-            best = mass.topk(min(mass.shape[-1], self.shortlist * count), dim=-1).indices
-            shortlist = candidates.gather(1, best)
-        older_positions = torch.cat([sink_positions, expand_successors(picks, span, older)], dim=-1)
-        return _Selection(position, older_positions, shortlist)
+    ) -> tuple[list[torch.Tensor], np.ndarray]:
+        stale = [
+            j
+            for j, (request, position) in enumerate(zip(requests, positions, strict=True))
+            if layer not in request.round.selections
+            or position - request.round.selections[layer].position >= self.refresh
+        ]
+        if stale:
+            self._choose(stale, requests, positions, layer, queries, keys, scale)
+        recent_from = np.fromiter((request.round.recent_start for request in requests), np.int64, len(requests))
+        return [request.round.selections[layer].older for request in requests], recent_from
 
-    def _fitted(self, request: Request, layer: int, keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """What the sketch learned from the request's prompt keys in ``layer``, fitted at its first round."""
-        if request.round.pattern is None:
-            request.round.pattern = {}
-        fitted = request.round.pattern
-        if layer not in fitted:
-            fitted[layer] = self.sketch.fit(keys[: max(1, min(request.num_prompt_tokens, keys.shape[0]))])
-        return fitted[layer]
+    def _choose(
+        self,
+        stale: list[int],
+        requests: Sequence[Request],
+        positions: Sequence[int],
+        layer: int,
+        queries: torch.Tensor,
+        keys: DraftKeys,
+        scale: float,
+    ) -> None:
+        """Each ``stale`` request's sinks and picks among its positions before ``recent_start``: all of them
+        where the budget holds them, the sinks alone where it holds no pick, else scored on the sketch (among
+        its shortlist when it has one, else among all of them, then keeping its best ``sketch_shortlist`` x
+        picks as the round's shortlist)."""
+        num_kv_heads, device = keys.k_cache.shape[1], keys.k_cache.device
+        whole, scored = [], []
+        for j in stale:
+            older = requests[j].round.recent_start
+            sinks = min(self.num_sinks, older)
+            room = self.budget(positions[j] + 1) - (positions[j] + 1 - older) - sinks
+            (whole if room >= older - sinks or room <= 0 else scored).append((j, older, sinks, room))
+        for j, older, sinks, room in whole:
+            kept = older if room > 0 else sinks
+            requests[j].round.selections[layer] = _Selection(
+                positions[j], torch.arange(kept, device=device).expand(num_kv_heads, -1)
+            )
+        among_all = [entry for entry in scored if self._shortlist(requests[entry[0]], layer) is None]
+        among_shortlist = [entry for entry in scored if self._shortlist(requests[entry[0]], layer) is not None]
+        for group in (among_all, among_shortlist):
+            if group:
+                self._score(group, requests, positions, layer, queries, keys, scale)
+
+    def _score(
+        self,
+        scored: list[tuple[int, int, int, int]],
+        requests: Sequence[Request],
+        positions: Sequence[int],
+        layer: int,
+        queries: torch.Tensor,
+        keys: DraftKeys,
+        scale: float,
+    ) -> None:
+        """Sketch scores, Top-K and successors of the requests ``scored`` (index, older positions, sinks,
+        room), all together, each at its round's first choice or each among its shortlist: the candidates
+        ``[n, Hkv, S]`` (-1 = padding) hold the sinks first, which weigh in each query head's softmax and are
+        never picked."""
+        num_kv_heads, device = keys.k_cache.shape[1], keys.k_cache.device
+        index, older, sinks, room = (list(column) for column in zip(*scored, strict=True))
+        span = self.successors + 1
+        counts = [max(1, r // span) for r in room]
+        shortlists = [self._shortlist(requests[j], layer) for j in index]
+        on_device = to_device([older, sinks, counts], device)[..., None, None]
+        older_t, sinks_t, counts_t = on_device
+        if all(shortlist is None for shortlist in shortlists):
+            width = max(older)
+            candidates = torch.arange(width, device=device).expand(len(index), num_kv_heads, -1)
+            candidates = torch.where(candidates < older_t, candidates, -1)
+        else:
+            sink_part = torch.arange(max(sinks), device=device).expand(len(index), num_kv_heads, -1)
+            sink_part = torch.where(sink_part < sinks_t, sink_part, -1)
+            candidates = torch.cat([sink_part, _stacked(shortlists)], dim=-1)
+        grouped = queries[index].reshape(len(index), num_kv_heads, -1, queries.shape[-1])  # [n, Hkv, G, D]
+        rows = to_device(index, device)
+        fitted = self._fitted([requests[j] for j in index], index, layer, keys)
+        logits = self.sketch.logits(grouped, keys.at(rows, candidates), fitted) * scale
+        logits = logits.masked_fill((candidates < 0)[:, :, None], float("-inf"))
+        mass = logits.softmax(dim=-1).mean(dim=2)  # [n, Hkv, S]
+        mass = mass.masked_fill((candidates < sinks_t), -1.0)  # padding and sinks: never picked
+        picks = _positions(candidates, self.ops.top_k_positions(mass, counts_t[..., 0], max(counts)))
+        sink_positions = torch.arange(max(sinks), device=device).expand(len(index), num_kv_heads, -1)
+        chosen = torch.cat(
+            [torch.where(sink_positions < sinks_t, sink_positions, -1), expand_successors(picks, span, older_t)],
+            dim=-1,
+        )
+        best = None
+        if self.shortlist and all(shortlist is None for shortlist in shortlists):
+            sizes = [self.shortlist * count for count in counts]
+            best = _positions(candidates, self.ops.top_k_positions(mass, counts_t[..., 0] * self.shortlist, max(sizes)))
+        for row, j in enumerate(index):
+            shortlist = best[row] if best is not None else shortlists[row]
+            requests[j].round.selections[layer] = _Selection(positions[j], chosen[row], shortlist)
+
+    @staticmethod
+    def _shortlist(request: Request, layer: int) -> torch.Tensor | None:
+        made = request.round.selections.get(layer)
+        return None if made is None else made.shortlist
+
+    def _fitted(
+        self, requests: Sequence[Request], index: Sequence[int], layer: int, keys: DraftKeys
+    ) -> tuple[torch.Tensor, ...]:
+        """What the sketch learned from each request's prompt keys in ``layer`` (fitted at its first round),
+        stacked."""
+        fits = []
+        for request, j in zip(requests, index, strict=True):
+            if request.round.pattern is None:
+                request.round.pattern = {}
+            if layer not in request.round.pattern:
+                prompt = keys.up_to(j, max(0, request.num_prompt_tokens - 1))
+                request.round.pattern[layer] = self.sketch.fit(prompt)
+            fits.append(request.round.pattern[layer])
+        return tuple(torch.stack(parts) for parts in zip(*fits, strict=True))
+
+
+def _positions(candidates: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The candidates' positions at indices ``chosen`` (``[n, Hkv, k]``, -1 = padding, kept)."""
+    return torch.where(chosen >= 0, candidates.gather(-1, chosen.clamp(min=0).long()), -1)
+
+
+def _stacked(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[Hkv, m]`` position rows of different widths as one ``[n, Hkv, max m]``, -1 = padding in front (one copy
+    where they agree, as the rows chosen together do)."""
+    width = max(row.shape[-1] for row in rows)
+    if all(row.shape[-1] == width for row in rows):
+        return torch.stack(list(rows))
+    return torch.stack([torch.nn.functional.pad(row, (width - row.shape[-1], 0), value=-1) for row in rows])
