@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from torchspec.hf import KVView
+from torchspec.request import Request
 from torchspec.slot_table import SlotTable
 from torchspec.transfer import to_device
 
@@ -109,3 +111,15 @@ class DraftKeys:
     def up_to(self, j: int, position: int) -> torch.Tensor:
         """Keys ``[position + 1, Hkv, D]`` of request ``j`` at positions 0 .. ``position``."""
         return self.k_cache[self.table.slots[self.rows[j], : position + 1]]
+
+
+class DraftForward(NamedTuple):
+    """One draft forward's requests in one layer, as a query-aware policy chooses for them: at ``positions``,
+    with their queries ``[N, num_heads, head_dim]``, the layer's keys and its attention scale."""
+
+    requests: Sequence[Request]
+    positions: Sequence[int]
+    layer: int
+    queries: torch.Tensor
+    keys: DraftKeys
+    scale: float

@@ -18,7 +18,7 @@ import torch
 from attention.reference import MAX_SCORED_ROWS
 from torchspec.chain_graphs import ChainGraphs, ChainInputs
 from torchspec.cuda_graphs import StepGraphs
-from torchspec.draft_lists import DraftKeys, RoundLists, build_lists, offsets
+from torchspec.draft_lists import DraftForward, DraftKeys, RoundLists, build_lists, offsets
 from torchspec.draft_probs import DraftProbsStore
 from torchspec.draft_sampling import DraftSampling
 from torchspec.drafting import DraftPolicy
@@ -262,7 +262,8 @@ class Runner:
 
         def select(layer: int, queries: torch.Tensor, k_cache: torch.Tensor, scale: float) -> KVView:
             keys = DraftKeys(self.table, k_cache, device_rows)
-            fixed, recent_from = self.policy.select_for_drafts(requests, firsts.tolist(), layer, queries, keys, scale)
+            forward = DraftForward(requests, firsts.tolist(), layer, queries, keys, scale)
+            fixed, recent_from = self.policy.select_for_drafts(forward)
             return build_lists(self.table, (self.num_kv_heads[layer],), rows, firsts, fixed, recent_from)[0]
 
         return select

@@ -32,7 +32,7 @@ from tests.torchspec.conftest import (
 )
 from torchspec import SpecConfig, config, sparsespec
 from torchspec.config import DRAFT_POLICIES
-from torchspec.draft_lists import DraftKeys
+from torchspec.draft_lists import DraftForward, DraftKeys
 from torchspec.drafting import POLICIES, pillar
 from torchspec.drafting.pillar import PillarPolicy
 from torchspec.drafting.pillar_quest import PillarQuestPolicy
@@ -196,9 +196,11 @@ class Recorder:
             record(request, position, chosen)
             return chosen
 
-        def spy_selections(requests: list[Request], positions: list[int], *args: Any) -> Any:
-            fixed, recent_from = positions_of(requests, positions, *args)
-            for request, position, chosen, first_recent in zip(requests, positions, fixed, recent_from, strict=True):
+        def spy_selections(forward: DraftForward) -> Any:
+            fixed, recent_from = positions_of(forward)
+            for request, position, chosen, first_recent in zip(
+                forward.requests, forward.positions, fixed, recent_from, strict=True
+            ):
                 record(request, position, (chosen, int(first_recent)))
             return fixed, recent_from
 
@@ -1119,7 +1121,8 @@ def _sketch_select(
     table = SlotTable(keys.device)
     table.slots = torch.arange(keys.shape[0])[None]
     draft_keys = DraftKeys(table, keys, torch.zeros(1, dtype=torch.int64))
-    fixed, recent_from = policy.select_for_drafts([request], [position], layer, query[None], draft_keys, 0.25)
+    forward = DraftForward([request], [position], layer, query[None], draft_keys, 0.25)
+    fixed, recent_from = policy.select_for_drafts(forward)
     return attended_positions((fixed[0], int(recent_from[0])), position)
 
 

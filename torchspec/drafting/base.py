@@ -18,7 +18,7 @@ import torch
 
 import attention
 from torchspec.config import SpecConfig
-from torchspec.draft_lists import DraftKeys
+from torchspec.draft_lists import DraftForward
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
 
@@ -79,19 +79,11 @@ class DraftPolicy:
         prefix (``torchspec.draft_lists``)."""
         raise NotImplementedError
 
-    def select_for_drafts(
-        self,
-        requests: Sequence[Request],
-        positions: Sequence[int],
-        layer: int,
-        queries: torch.Tensor,
-        keys: DraftKeys,
-        scale: float,
-    ) -> tuple[list[torch.Tensor], np.ndarray]:
-        """Query-aware policies, for one draft forward's requests at once (queries ``[N, num_heads, head_dim]``
-        at ``positions``): each request's positions (``[num_kv_heads, n]``, -1 = padding) and the first of the
-        recent run it also reads, up to its position. By default one ``select_positions`` a request (whose
-        positions end with the recent ones: an empty run)."""
+    def select_for_drafts(self, forward: DraftForward) -> tuple[list[torch.Tensor], np.ndarray]:
+        """Query-aware policies, for one draft forward's requests at once: each request's positions
+        (``[num_kv_heads, n]``, -1 = padding) and the first of the recent run it also reads, up to its position.
+        By default one ``select_positions`` a request (whose positions end with the recent ones: an empty run)."""
+        requests, positions, layer, queries, keys, scale = forward
         chosen = [
             self.select_positions(request, position, layer, query, keys.up_to(j, position), scale)
             for j, (request, position, query) in enumerate(zip(requests, positions, queries, strict=True))

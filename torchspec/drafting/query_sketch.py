@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from torchspec.config import SpecConfig
-from torchspec.draft_lists import DraftKeys
+from torchspec.draft_lists import DraftForward, DraftKeys
 from torchspec.drafting.base import DraftPolicy
 from torchspec.drafting.pillar import expand_successors
 from torchspec.drafting.pillar_recent import DEFAULT_WINDOW
@@ -74,15 +74,8 @@ class QuerySketchPolicy(DraftPolicy):
             request.round.recent_start = max(0, first - window)
             request.round.selections = {}
 
-    def select_for_drafts(
-        self,
-        requests: Sequence[Request],
-        positions: Sequence[int],
-        layer: int,
-        queries: torch.Tensor,
-        keys: DraftKeys,
-        scale: float,
-    ) -> tuple[list[torch.Tensor], np.ndarray]:
+    def select_for_drafts(self, forward: DraftForward) -> tuple[list[torch.Tensor], np.ndarray]:
+        requests, positions, layer = forward.requests, forward.positions, forward.layer
         stale = [
             j
             for j, (request, position) in enumerate(zip(requests, positions, strict=True))
@@ -90,25 +83,17 @@ class QuerySketchPolicy(DraftPolicy):
             or position - request.round.selections[layer].position >= self.refresh
         ]
         if stale:
-            self._choose(stale, requests, positions, layer, queries, keys, scale)
+            self._choose(forward, stale)
         recent_from = np.fromiter((request.round.recent_start for request in requests), np.int64, len(requests))
         return [request.round.selections[layer].older for request in requests], recent_from
 
-    def _choose(
-        self,
-        stale: list[int],
-        requests: Sequence[Request],
-        positions: Sequence[int],
-        layer: int,
-        queries: torch.Tensor,
-        keys: DraftKeys,
-        scale: float,
-    ) -> None:
+    def _choose(self, forward: DraftForward, stale: list[int]) -> None:
         """Each ``stale`` request's sinks and picks among its positions before ``recent_start``: all of them
         where the budget holds them, the sinks alone where it holds no pick, else scored on the sketch (among
         its shortlist when it has one, else among all of them, then keeping its best ``sketch_shortlist`` x
         picks as the round's shortlist)."""
-        num_kv_heads, device = keys.k_cache.shape[1], keys.k_cache.device
+        requests, positions, layer = forward.requests, forward.positions, forward.layer
+        num_kv_heads, device = forward.keys.k_cache.shape[1], forward.keys.k_cache.device
         whole, scored = [], []
         for j in stale:
             older = requests[j].round.recent_start
@@ -124,22 +109,14 @@ class QuerySketchPolicy(DraftPolicy):
         among_shortlist = [entry for entry in scored if self._shortlist(requests[entry[0]], layer) is not None]
         for group in (among_all, among_shortlist):
             if group:
-                self._score(group, requests, positions, layer, queries, keys, scale)
+                self._score(forward, group)
 
-    def _score(
-        self,
-        scored: list[tuple[int, int, int, int]],
-        requests: Sequence[Request],
-        positions: Sequence[int],
-        layer: int,
-        queries: torch.Tensor,
-        keys: DraftKeys,
-        scale: float,
-    ) -> None:
+    def _score(self, forward: DraftForward, scored: list[tuple[int, int, int, int]]) -> None:
         """Sketch scores, Top-K and successors of the requests ``scored`` (index, older positions, sinks,
         room), all together, each at its round's first choice or each among its shortlist: the candidates
         ``[n, Hkv, S]`` (-1 = padding) hold the sinks first, which weigh in each query head's softmax and are
         never picked."""
+        requests, positions, layer, queries, keys, scale = forward
         num_kv_heads, device = keys.k_cache.shape[1], keys.k_cache.device
         index, older, sinks, room = (list(column) for column in zip(*scored, strict=True))
         span = self.successors + 1
