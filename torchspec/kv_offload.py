@@ -43,6 +43,7 @@ class OffloadStats:
     """What the host tier did in one run (reported in ``last_stats`` and the benchmark records)."""
 
     offloaded_tokens: int = 0  # K/V rows moved to the host
+    offloaded_bytes: int = 0  # their size, every layer's K and V
     restored_tokens: int = 0  # K/V rows moved back
     recomputed_tokens: int = 0  # K/V rows computed a second time: always 0, the host tier never drops any
     peak_device_tokens: int = 0  # most pool slots held at once
@@ -76,6 +77,7 @@ class HostKVStore:
         layers = len(self.pool.k)
         self._held[request_id] = (held[:layers], held[layers:])
         self.stats.offloaded_tokens += len(slots)
+        self.stats.offloaded_bytes += sum(rows.numel() * rows.element_size() for rows in gathered)
         self.stats.transfer_s += time.perf_counter() - start
 
     def restore(self, request_id: int, slots: Sequence[int]) -> None:

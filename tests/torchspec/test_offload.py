@@ -56,6 +56,9 @@ def _assert_moved(wrapped: Any) -> None:
     assert stats.offloaded_tokens > 0, stats
     assert stats.restored_tokens == stats.offloaded_tokens, stats
     assert stats.recomputed_tokens == 0, stats
+    pool = wrapped.engine.runner.pool
+    row_bytes = sum(t[0].numel() * t.element_size() for t in pool.k + pool.v)  # one token, every layer's K and V
+    assert stats.offloaded_bytes == stats.offloaded_tokens * row_bytes, stats
     assert 0 < stats.peak_device_tokens <= POOL, stats
     assert 0 < stats.peak_host_tokens <= stats.offloaded_tokens, stats
 

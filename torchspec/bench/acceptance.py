@@ -56,9 +56,9 @@ def default_variants() -> list[Variant]:
     for name, refresh in (("exact", 1), ("int4", 1), ("lowrank8", 1), ("lowrank4", 1), ("lowrank8", 2), ("int4", 4)):
         options = {"draft": "query_sketch", "key_sketch": name, "sketch_refresh": refresh}
         variants.append(Variant(f"query_sketch {name}, every {refresh} drafts", options))
-    for shortlist in (2, 4, 8):
-        options = {"draft": "query_sketch", "sketch_refresh": 1, "sketch_shortlist": shortlist}
-        variants.append(Variant(f"query_sketch int4, every draft, shortlist {shortlist}x", options))
+    for name, shortlist in (("int4", 2), ("int4", 4), ("int4", 8), ("int2", 4)):
+        options = {"draft": "query_sketch", "key_sketch": name, "sketch_refresh": 1, "sketch_shortlist": shortlist}
+        variants.append(Variant(f"query_sketch {name}, every draft, shortlist {shortlist}x", options))
     return variants  # pillar_recent (a registered policy) is pillar + recent 64 + successors 4
 
 
