@@ -136,6 +136,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--sparsity", type=float, default=0.05)
     parser.add_argument("--min-budget", type=int, default=128)
+    parser.add_argument(
+        "--draft-step-budget", type=int, help="SpecConfig.draft_step_budget (default: the engine's; 0 compares the "
+        "policies at their own budgets on a GPU, where the default lets a small batch draft from whole contexts)",
+    )  # fmt: skip
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--policies", nargs="*", help="labels of the variants to run, or to tabulate (default: all)")
@@ -156,6 +160,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = reasoning_prompt_ids(tokenizer, args.prompts)
     spec = {"k": args.k, "sparsity": args.sparsity, "min_budget": args.min_budget, "max_batch_size": len(prompts)}
+    spec["draft_step_budget"] = args.draft_step_budget
     baseline = list(
         sparsespec.wrap(model, draft=None, max_batch_size=len(prompts))
         .generate_batch(prompts, max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -175,7 +180,8 @@ def main() -> None:
     command = "python -m torchspec.bench.acceptance " + " ".join(
         f"--{k.replace('_', '-')} {v}"
         for k, v in vars(args).items()
-        if v is not None and k in ("prompts", "max_new_tokens", "k", "sparsity", "min_budget", "dtype")
+        if v is not None
+        and k in ("prompts", "max_new_tokens", "k", "sparsity", "min_budget", "draft_step_budget", "dtype")
     )
     report(results, command, f"{device}, torch {torch.__version__}", spec, args.out, args.plot)
 
