@@ -105,9 +105,10 @@ class QuerySketchPolicy(DraftPolicy):
             requests[j].round.selections[layer] = _Selection(
                 positions[j], torch.arange(kept, device=device).expand(num_kv_heads, -1)
             )
-        among_all = [entry for entry in scored if self._shortlist(requests[entry[0]], layer) is None]
-        among_shortlist = [entry for entry in scored if self._shortlist(requests[entry[0]], layer) is not None]
-        for group in (among_all, among_shortlist):
+        groups: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}  # among a shortlist, or all
+        for entry in scored:
+            groups[self._shortlist(requests[entry[0]], layer) is not None].append(entry)
+        for group in (groups[False], groups[True]):
             if group:
                 self._score(forward, group)
 
@@ -124,14 +125,14 @@ class QuerySketchPolicy(DraftPolicy):
         shortlists = [self._shortlist(requests[j], layer) for j in index]
         on_device = to_device([older, sinks, counts], device)[..., None, None]
         older_t, sinks_t, counts_t = on_device
-        if all(shortlist is None for shortlist in shortlists):
-            width = max(older)
-            candidates = torch.arange(width, device=device).expand(len(index), num_kv_heads, -1)
+        first_choice = shortlists[0] is None  # a group is all first choices or all among shortlists
+        sink_positions = torch.arange(max(sinks), device=device).expand(len(index), num_kv_heads, -1)
+        sink_positions = torch.where(sink_positions < sinks_t, sink_positions, -1)
+        if first_choice:
+            candidates = torch.arange(max(older), device=device).expand(len(index), num_kv_heads, -1)
             candidates = torch.where(candidates < older_t, candidates, -1)
         else:
-            sink_part = torch.arange(max(sinks), device=device).expand(len(index), num_kv_heads, -1)
-            sink_part = torch.where(sink_part < sinks_t, sink_part, -1)
-            candidates = torch.cat([sink_part, _stacked(shortlists)], dim=-1)
+            candidates = torch.cat([sink_positions, _stacked(shortlists)], dim=-1)
         grouped = queries[index].reshape(len(index), num_kv_heads, -1, queries.shape[-1])  # [n, Hkv, G, D]
         rows = to_device(index, device)
         fitted = self._fitted([requests[j] for j in index], index, layer, keys)
@@ -140,13 +141,9 @@ class QuerySketchPolicy(DraftPolicy):
         mass = logits.softmax(dim=-1).mean(dim=2)  # [n, Hkv, S]
         mass = mass.masked_fill((candidates < sinks_t), -1.0)  # padding and sinks: never picked
         picks = _positions(candidates, self.ops.top_k_positions(mass, counts_t[..., 0], max(counts)))
-        sink_positions = torch.arange(max(sinks), device=device).expand(len(index), num_kv_heads, -1)
-        chosen = torch.cat(
-            [torch.where(sink_positions < sinks_t, sink_positions, -1), expand_successors(picks, span, older_t)],
-            dim=-1,
-        )
+        chosen = torch.cat([sink_positions, expand_successors(picks, span, older_t)], dim=-1)
         best = None
-        if self.shortlist and all(shortlist is None for shortlist in shortlists):
+        if self.shortlist and first_choice:
             sizes = [self.shortlist * count for count in counts]
             best = _positions(candidates, self.ops.top_k_positions(mass, counts_t[..., 0] * self.shortlist, max(sizes)))
         for row, j in enumerate(index):
