@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from attention import layer_kernels, logits_kernels, paged, select_kernels
+from attention import layer_kernels, logits_kernels, paged, select_kernels, sketch_kernels
 from attention.reference import OP_NAMES, FirstLists
 from attention.reference import store_kv as store_kv  # a plain index copy: no kernel of its own
 
@@ -160,3 +160,20 @@ def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.
 @top_k_positions.register_fake
 def _(values, k, max_k):
     return values.new_empty(*values.shape[:-1], max_k, dtype=torch.int32)
+
+
+# The kernel's own signature is the op's schema.
+store_key_sketch = torch.library.custom_op("torchspec::store_key_sketch", mutates_args=("codes", "scales"))(
+    sketch_kernels.store_key_sketch
+)
+
+
+@torch.library.custom_op("torchspec::sketch_logits", mutates_args=())
+def sketch_logits(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """See :func:`attention.reference.sketch_logits`."""
+    return sketch_kernels.sketch_logits(query, codes, scales, slots)
+
+
+@sketch_logits.register_fake
+def _(query, codes, scales, slots):
+    return query.new_empty((*query.shape[:3], slots.shape[-1]), dtype=torch.float32)

@@ -33,6 +33,8 @@ OP_NAMES = (
     "rotary_store_kv",
     "warped_lse",
     "top_k_positions",
+    "store_key_sketch",
+    "sketch_logits",
 )
 #: The verify mass PillarAttn ranks: bf16 keeps ~2-3 significant digits (a Top-K needs no more) over fp32's range
 #: (weights relative to the sink span far more than fp16's), and a 16-bit Top-K takes two radix passes where fp32
@@ -44,6 +46,10 @@ MASS_MAX_LOG2 = 120.0
 #: The most (scored query, GQA head) rows of one request: the kernel scores them in one tile of rows.
 MAX_SCORED_ROWS = 64
 LOG2E = 1.4426950408889634
+#: The key sketch a query-aware draft scores every cached key on: each key quantised symmetrically to signed 4-bit
+#: codes (-7 .. 7, stored + 8: two channels a byte, channel 2i in the low nibble) with one fp32 scale a key and KV
+#: head, 36 bytes a key where K takes 128 at head_dim 64.
+SKETCH_LEVELS = 7
 
 
 class FirstLists(NamedTuple):
@@ -275,3 +281,24 @@ def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.
     slot = torch.where(chosen, max_k - counts + chosen.cumsum(dim=-1) - 1, max_k)
     out.scatter_(-1, slot, torch.arange(width, dtype=torch.int32, device=values.device).expand_as(values))
     return out[..., :max_k]
+
+
+def store_key_sketch(k_cache: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Write the int4 sketch (``SKETCH_LEVELS``) of the keys at ``slots`` (``[T]``) of ``k_cache`` (``[slots, Hkv,
+    D]``) into ``codes`` (``[slots, Hkv, D // 2]`` uint8) and ``scales`` (``[slots, Hkv]`` fp32): a key's scale is
+    its largest magnitude over ``SKETCH_LEVELS``, its codes each channel over the scale, rounded half to even."""
+    keys = k_cache[slots].float()
+    scale = keys.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny) / SKETCH_LEVELS
+    stored = (keys / scale[..., None]).round().clamp(-SKETCH_LEVELS, SKETCH_LEVELS).to(torch.int32) + 8
+    codes[slots] = (stored[..., 0::2] | (stored[..., 1::2] << 4)).to(torch.uint8)
+    scales[slots] = scale
+
+
+def sketch_logits(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``[n, Hkv, G, S]`` fp32: each query head's dot product (unscaled) with the sketched keys of its KV head at
+    ``slots`` (``[n, Hkv, S]``, each KV head its own), for ``query`` ``[n, Hkv, G, D]`` grouped by KV head."""
+    heads = torch.arange(codes.shape[1], device=codes.device)[None, :, None]
+    packed = codes[slots, heads].to(torch.int32)  # [n, Hkv, S, D // 2]
+    channels = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).float() - 8
+    keys = channels * scales[slots, heads][..., None]
+    return torch.einsum("nhgd,nhsd->nhgs", query.float(), keys)

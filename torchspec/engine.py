@@ -141,7 +141,7 @@ class Engine:
         capacity = config.kv_capacity_tokens or self._auto_capacity(layers)
         if tensor_parallel is not None:  # every rank admits the same requests: the smallest pool serves all
             capacity = tensor_parallel.agree_min(capacity)
-        self.pool = KVPool(layers, capacity, self.dtype, self.device)
+        self.pool = KVPool(layers, capacity, self.dtype, self.device, self._sketched)
         self.fused_layers = FusedLayers(model, layers, ops) if config.fuse_layers is not False else None
         self.runner = Runner(
             model,
@@ -159,7 +159,7 @@ class Engine:
         self.host_kv_capacity_tokens = 0  # the host tier's K/V rows (``offload``)
         if config.offload:
             self.host_kv_capacity_tokens = config.host_kv_capacity_tokens or auto_host_capacity_tokens(
-                bytes_per_token(layers, self.dtype)
+                bytes_per_token(layers, self.dtype, self._sketched)
             )
             if tensor_parallel is not None:
                 self.host_kv_capacity_tokens = tensor_parallel.agree_min(self.host_kv_capacity_tokens)
@@ -201,7 +201,13 @@ class Engine:
             host_ceiling_tokens=config.max_batch_size * context_bound,
             step_bytes_per_token=per_token,
             device_fraction=config.kv_memory_fraction,
+            sketched=self._sketched,
         )
+
+    @property
+    def _sketched(self) -> frozenset[int]:
+        """The layers whose keys the pool also keeps sketched (for the draft policy)."""
+        return self.policy.sketched_layers if self.policy is not None else frozenset()
 
     @property
     def kv_capacity_tokens(self) -> int:

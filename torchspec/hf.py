@@ -146,6 +146,8 @@ class PagedForwardContext:
             ops.store_kv(k_cache, v_cache, key, value, meta.slot_mapping)
         else:
             query = ops.rotary_store_kv(query, key, value, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        if self.pool.codes[layer] is not None:  # the new keys' sketch, for a draft that scores every cached key
+            ops.store_key_sketch(k_cache, meta.slot_mapping, self.pool.codes[layer], self.pool.scales[layer])
         if sliding_window is not None:
             view = meta.windowed[sliding_window]
             return ops.paged_attention(

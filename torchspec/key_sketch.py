@@ -1,8 +1,7 @@
 """Key sketches: compact copies of the cached keys that approximate a query's logits ``q . k`` for every position.
 
-A query-aware draft (``query_sketch``) scores the whole context once a round from its first draft query; reading
-the full keys for that would cost a verify's K reads. A sketch keeps a few bytes a key instead (written beside
-the K/V as it is stored, on the device), chosen here by kind and width:
+A query-aware draft (``query_sketch``) scores the whole context from its draft queries; reading the full keys for
+that would cost a verify's K reads. A sketch keeps a few bytes a key instead, chosen here by kind and width:
 
 - ``int``: each key quantised symmetrically to ``width`` bits a channel, one scale a key and KV head;
 - ``lowrank``: each key projected on the ``width`` principal directions of the request's prompt keys (per
@@ -11,7 +10,9 @@ the K/V as it is stored, on the device), chosen here by kind and width:
   norm does not change as RoPE rotates it with the position, so the prompt's choice holds at any length);
 - ``exact``: the keys themselves (the bound the others approach, at a full read of K).
 
-Scores are computed here from the full keys, which gives exactly the numbers a stored sketch would.
+``int4`` is the one the KV pool keeps, written beside the K/V as keys are stored (``KVPool.codes``, scored by the
+op ``sketch_logits``). The others, kept for the study of docs/acceptance.md, are computed here from the full keys,
+which gives the numbers a stored sketch would.
 """
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ class KeySketch:
     kind: str  # exact, int, lowrank or channels
     width: int  # bits a channel (int), directions (lowrank), channels (channels); unused for exact
 
+    @property
+    def stored(self) -> bool:
+        """Whether the KV pool keeps this sketch (int4: ``attention.reference.store_key_sketch``)."""
+        return self.kind == "int" and self.width == 4
+
     def bytes_per_key(self, head_dim: int) -> float:
-        """Bytes a position and KV head holds (bf16 values, an fp16 scale for ``int``)."""
+        """Bytes a position and KV head holds (bf16 values, an fp32 scale for ``int``, as the pool keeps int4)."""
         if self.kind == "exact":
             return 2.0 * head_dim
         if self.kind == "int":
-            return head_dim * self.width / 8 + 2
+            return head_dim * self.width / 8 + 4
         return 2.0 * self.width
 
     def fit(self, prompt_keys: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +17,8 @@ from torchspec.transfer import to_device
 DEFAULT_DEVICE_MEMORY_FRACTION = 0.9
 # Copies of a step's draft lists alive at once while they are built (positions, their slots, masked copies).
 _DRAFT_LIST_COPIES = 4
+# A key sketch's scale (fp32) beside its codes (``KVPool.scales``).
+SKETCH_SCALE_BYTES = 4
 # Share of the host's available memory a CPU pool may take when sized automatically.
 _HOST_MEMORY_FRACTION = 0.25
 
@@ -66,28 +68,53 @@ class SlotAllocator:
 
 class KVPool:
     """One K and one V tensor per layer, ``[num_slots + 1, num_kv_heads, head_dim]``; layers may differ in shape.
-    The extra row, ``scratch_slot``, is never allocated: padding tokens of a captured step write there."""
+    The extra row, ``scratch_slot``, is never allocated: padding tokens of a captured step write there.
 
-    def __init__(self, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    The layers ``sketched`` (indices) also keep their keys' int4 sketch, written as keys are stored, for a draft
+    that scores every cached key (``attention.reference.store_key_sketch``): ``codes[layer]`` ``[num_slots + 1,
+    Hkv, head_dim // 2]`` uint8 and ``scales[layer]`` ``[num_slots + 1, Hkv]`` fp32 (None for the other layers)."""
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec],
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        sketched: Collection[int] = (),
+    ) -> None:
         self.num_slots = num_slots
         self.scratch_slot = num_slots
         self.k = [torch.empty(num_slots + 1, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layers]
         self.v = [torch.empty_like(k) for k in self.k]
+        self.codes = [
+            torch.empty(num_slots + 1, s.num_kv_heads, s.head_dim // 2, dtype=torch.uint8, device=device)
+            if s.layer_idx in sketched
+            else None
+            for s in layers
+        ]
+        self.scales = [
+            torch.empty(num_slots + 1, s.num_kv_heads, device=device) if s.layer_idx in sketched else None
+            for s in layers
+        ]
         self.allocator = SlotAllocator(num_slots)
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with a row per slot (K, V, key sketches): what moves or is copied with a token's K/V."""
+        return self.k + self.v + [t for t in self.codes + self.scales if t is not None]
+
     def copy(self, sources: Sequence[int], destinations: Sequence[int]) -> None:
-        """Copy the K/V rows of slots ``sources`` into slots ``destinations`` in every layer, queued on the device
+        """Copy the rows of slots ``sources`` into slots ``destinations`` in every layer, queued on the device
         (one prompt's K/V for each of its other samples, ``num_return_sequences``)."""
         index = to_device([sources, destinations], self.k[0].device)
-        for k, v in zip(self.k, self.v, strict=True):
-            k[index[1]] = k[index[0]]
-            v[index[1]] = v[index[0]]
+        for rows in self.slot_tensors():
+            rows[index[1]] = rows[index[0]]
 
 
-def bytes_per_token(layers: Sequence[LayerSpec], dtype: torch.dtype) -> int:
-    """KV bytes one token occupies across all layers."""
+def bytes_per_token(layers: Sequence[LayerSpec], dtype: torch.dtype, sketched: Collection[int] = ()) -> int:
+    """Pool bytes one token occupies across all layers: its K/V, and its key sketch in the layers ``sketched``."""
     element = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * s.num_kv_heads * s.head_dim * element for s in layers)
+    sketch = sum(s.num_kv_heads * (s.head_dim // 2 + SKETCH_SCALE_BYTES) for s in layers if s.layer_idx in sketched)
+    return sum(2 * s.num_kv_heads * s.head_dim * element for s in layers) + sketch
 
 
 def auto_capacity_tokens(
@@ -98,6 +125,7 @@ def auto_capacity_tokens(
     host_ceiling_tokens: int,
     step_bytes_per_token: float = 0.0,
     device_fraction: float = DEFAULT_DEVICE_MEMORY_FRACTION,
+    sketched: Collection[int] = (),
 ) -> int:
     """Size the pool from free memory, after the weights (already loaded) and ``workspace_bytes`` (what steps
     allocate besides the pool: logits, sampling, graphs; see ``step_workspace_bytes``).
@@ -105,11 +133,11 @@ def auto_capacity_tokens(
     On a GPU the pool takes ``device_fraction`` of what is left (after the allocator's cache is emptied), with
     no cap from the model's context length: requests longer than the batch's share of the pool only wait when
     memory itself runs out. Each token also costs ``step_bytes_per_token`` of step buffers that grow with the
-    context the batch holds (slot lists, verify mass; see ``step_list_bytes``). On a CPU it takes at most a
-    quarter of the host's available RAM and no more than ``host_ceiling_tokens`` (max batch x context), since the
-    host's memory is everybody's.
+    context the batch holds (slot lists, verify mass; see ``step_list_bytes``), and in the layers ``sketched`` its
+    key's sketch (``KVPool``). On a CPU it takes at most a quarter of the host's available RAM and no more than
+    ``host_ceiling_tokens`` (max batch x context), since the host's memory is everybody's.
     """
-    per_token = bytes_per_token(layers, dtype)
+    per_token = bytes_per_token(layers, dtype, sketched)
     if device.type == "cuda":
         free, _ = reclaim_device_memory(device)
         tokens = int((free - workspace_bytes) * device_fraction / (per_token + step_bytes_per_token))

@@ -43,7 +43,7 @@ class OffloadStats:
     """What the host tier did in one run (reported in ``last_stats`` and the benchmark records)."""
 
     offloaded_tokens: int = 0  # K/V rows moved to the host
-    offloaded_bytes: int = 0  # their size, every layer's K and V
+    offloaded_bytes: int = 0  # their size, every layer's K and V (and key sketches)
     restored_tokens: int = 0  # K/V rows moved back
     recomputed_tokens: int = 0  # K/V rows computed a second time: always 0, the host tier never drops any
     peak_device_tokens: int = 0  # most pool slots held at once
@@ -53,12 +53,13 @@ class OffloadStats:
 
 
 class HostKVStore:
-    """Offloaded requests' K/V per layer, ``[tokens, Hkv, head_dim]`` host tensors keyed by request id."""
+    """Offloaded requests' rows of every pool tensor (``KVPool.slot_tensors``: K/V per layer, key sketches), host
+    tensors ``[tokens, ...]`` keyed by request id."""
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.device = pool.k[0].device
-        self._held: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._held: dict[int, list[torch.Tensor]] = {}
         self.stats = OffloadStats()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # copies not yet counted in copy_s
@@ -71,11 +72,9 @@ class HostKVStore:
         """Copy the K/V at ``slots`` (a request's computed positions, in order) to the host."""
         start = time.perf_counter()
         index = to_device(slots, self.device)
-        gathered = [k[index] for k in self.pool.k] + [v[index] for v in self.pool.v]
+        gathered = [rows[index] for rows in self.pool.slot_tensors()]
         with self._side_stream(to_host=True):
-            held = [self._to_host(rows) for rows in gathered]
-        layers = len(self.pool.k)
-        self._held[request_id] = (held[:layers], held[layers:])
+            self._held[request_id] = [self._to_host(rows) for rows in gathered]
         self.stats.offloaded_tokens += len(slots)
         self.stats.offloaded_bytes += sum(rows.numel() * rows.element_size() for rows in gathered)
         self.stats.transfer_s += time.perf_counter() - start
@@ -83,11 +82,11 @@ class HostKVStore:
     def restore(self, request_id: int, slots: Sequence[int]) -> None:
         """Copy a request's K/V back into ``slots`` (as many as it offloaded, in position order) and forget it."""
         start = time.perf_counter()
-        keys, values = self._held.pop(request_id)
+        held = self._held.pop(request_id)
         index = to_device(slots, self.device)
         with self._side_stream(to_host=False):
-            staged = [rows.to(self.device, non_blocking=True) for rows in keys + values]
-        for pool, rows in zip(self.pool.k + self.pool.v, staged, strict=True):
+            staged = [rows.to(self.device, non_blocking=True) for rows in held]
+        for pool, rows in zip(self.pool.slot_tensors(), staged, strict=True):
             pool[index] = rows
             if self._stream is not None:  # made on the side stream, read on the compute stream
                 rows.record_stream(torch.cuda.current_stream(self.device))

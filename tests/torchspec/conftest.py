@@ -205,6 +205,29 @@ def assert_no_slot_leak(wrapped: Any) -> None:
     assert sorted(pool.allocator.free_slots().tolist()) == list(range(pool.num_slots)), "free list holds duplicates"
 
 
+def generate_checking_key_sketches(wrapped: Any, batch: Batch, **generate_kwargs: Any) -> torch.Tensor:
+    """``wrapped.generate`` over ``batch`` on a zeroed pool, then: every sketched layer holds the int4 sketch
+    (``attention.reference.store_key_sketch``) of each key written during the call, at its slot (a key of zeros,
+    e.g. a padding token's embedding, counts as written where its sketch is), and none elsewhere."""
+    from attention import reference
+
+    pool = wrapped.engine.pool
+    sketched = [layer for layer, codes in enumerate(pool.codes) if codes is not None]
+    assert sketched, "no layer keeps a key sketch"
+    for rows in pool.slot_tensors():
+        rows.zero_()
+    device = pool.k[0].device
+    kwargs = {name: tensor.to(device) for name, tensor in batch.kwargs().items()}
+    output = wrapped.generate(**kwargs, **generate_kwargs)
+    for layer in sketched:
+        sketched = pool.scales[layer].ne(0).any(dim=1)  # a sketch's scale is positive
+        assert not (pool.k[layer].flatten(1).ne(0).any(dim=1) & ~sketched).any(), f"layer {layer}: a key not sketched"
+        codes, scales = torch.zeros_like(pool.codes[layer]), torch.zeros_like(pool.scales[layer])
+        reference.store_key_sketch(pool.k[layer], sketched.nonzero()[:, 0], codes, scales)
+        assert torch.equal(pool.codes[layer], codes) and torch.equal(pool.scales[layer], scales), f"layer {layer}"
+    return output
+
+
 Reference = Callable[..., torch.Tensor]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.torchspec.conftest import Batch, assert_no_slot_leak, tiny_spec
+from tests.torchspec.conftest import Batch, assert_no_slot_leak, generate_checking_key_sketches, tiny_spec
 from torchspec import sparsespec
 from torchspec.config import DRAFT_POLICIES
 from torchspec.request import SamplingParams
@@ -57,7 +57,7 @@ def _assert_moved(wrapped: Any) -> None:
     assert stats.restored_tokens == stats.offloaded_tokens, stats
     assert stats.recomputed_tokens == 0, stats
     pool = wrapped.engine.runner.pool
-    row_bytes = sum(t[0].numel() * t.element_size() for t in pool.k + pool.v)  # one token, every layer's K and V
+    row_bytes = sum(t[0].numel() * t.element_size() for t in pool.slot_tensors())  # one token: K, V, key sketches
     assert stats.offloaded_bytes == stats.offloaded_tokens * row_bytes, stats
     assert 0 < stats.peak_device_tokens <= POOL, stats
     assert 0 < stats.peak_host_tokens <= stats.offloaded_tokens, stats
@@ -70,6 +70,14 @@ def test_offload_gives_the_unconstrained_tokens(draft, delayed):
     expected, _ = _generate(SPEC, draft, UNCONSTRAINED | options)
     actual, wrapped = _generate(SPEC, draft, TIGHT | options)
     assert torch.equal(expected, actual), f"{actual}\n{expected}"
+    _assert_moved(wrapped)
+
+
+def test_key_sketches_move_with_their_keys():
+    """query_sketch scores the pool's int4 key sketch: a request's sketch goes to the host and back with its K/V
+    (and equals the sketch of the keys it comes back beside)."""
+    wrapped = sparsespec.wrap(SPEC.build(), draft="query_sketch", recent_window=1, num_sinks=0, **TIGHT)
+    generate_checking_key_sketches(wrapped, BATCH, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     _assert_moved(wrapped)
 
 

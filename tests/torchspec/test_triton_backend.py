@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.torchspec.conftest import Batch, tiny_spec
+from tests.torchspec.conftest import Batch, generate_checking_key_sketches, tiny_spec
 from torchspec import sparsespec
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -45,6 +45,16 @@ def test_triton_backend_matches_reference(spec, draft):
     expected = _generate(spec, attention_backend="reference", **options)
     actual = _generate(spec, attention_backend="triton", **options)
     assert torch.equal(expected, actual), f"first differing row: {(expected != actual).any(dim=1).nonzero()}"
+
+
+def test_query_sketch_keeps_and_scores_its_key_sketch_on_the_kernels():
+    """The store kernel writes every new key's sketch (prompt, drafts, verifies) and the drafts score it: same
+    tokens as the reference path, whose sketch is computed by the reference ops."""
+    options = {"draft": "query_sketch", "k": 4, "min_budget": 6, "sparsity": 0.1, "recent_window": 1, "num_sinks": 0}
+    expected = _generate(tiny_spec("llama", 2), attention_backend="reference", **options)
+    wrapped = sparsespec.wrap(tiny_spec("llama", 2).build().to(DEVICE), attention_backend="triton", **options)
+    actual = generate_checking_key_sketches(wrapped, BATCH, max_new_tokens=NEW_TOKENS, do_sample=False).cpu()
+    assert torch.equal(expected, actual)
 
 
 def test_auto_backend_follows_the_device():

@@ -43,6 +43,9 @@ class DraftPolicy:
         #: Layers whose draft steps attend sparsely: the full-attention ones (sliding windows stay as they are).
         self.sparse_layers = [layer.layer_idx for layer in layers if layer.sliding_window is None]
         self.num_kv_heads = max((layer.num_kv_heads for layer in layers), default=1)
+        #: Layers whose keys the KV pool also keeps as an int4 sketch (``KVPool.codes``), for drafts that score
+        #: every cached key: none unless a policy asks.
+        self.sketched_layers: frozenset[int] = frozenset()
         #: KV tokens every draft may attend to whatever its sparsity: the scheduler sets it each step to the
         #: running requests' share of the step's draft budget (``SpecConfig.draft_step_budget``).
         self.step_share = 0

@@ -56,6 +56,8 @@ class QuerySketchPolicy(DraftPolicy):
         self.successors = config.successors
         self.refresh = config.sketch_refresh or config.k
         self.shortlist = config.sketch_shortlist
+        if self.sketch.stored:  # scored on the pool's copy, written as keys are stored
+            self.sketched_layers = frozenset(self.sparse_layers)
 
     def on_verifies(
         self,
@@ -135,8 +137,12 @@ class QuerySketchPolicy(DraftPolicy):
             candidates = torch.cat([sink_positions, _stacked(shortlists)], dim=-1)
         grouped = queries[index].reshape(len(index), num_kv_heads, -1, queries.shape[-1])  # [n, Hkv, G, D]
         rows = to_device(index, device)
-        fitted = self._fitted([requests[j] for j in index], index, layer, keys)
-        logits = self.sketch.logits(grouped, keys.at(rows, candidates), fitted) * scale
+        if keys.codes is not None:
+            logits = self.ops.sketch_logits(grouped, keys.codes, keys.scales, keys.slots_at(rows, candidates))
+        else:  # a sketch of the study, computed from the full keys
+            fitted = self._fitted([requests[j] for j in index], index, layer, keys)
+            logits = self.sketch.logits(grouped, keys.at(rows, candidates), fitted)
+        logits = logits * scale
         logits = logits.masked_fill((candidates < 0)[:, :, None], float("-inf"))
         mass = logits.softmax(dim=-1).mean(dim=2)  # [n, Hkv, S]
         mass = mass.masked_fill((candidates < sinks_t), -1.0)  # padding and sinks: never picked
