@@ -1132,7 +1132,14 @@ def test_query_sketch_picks_the_first_draft_querys_heaviest_positions_once_a_rou
     query, per layer; the round's later drafts reuse them whatever their query; the next verify starts afresh."""
     policy = POLICIES["query_sketch"](
         SpecConfig(
-            draft="query_sketch", k=4, num_sinks=2, recent_window=3, min_budget=24, sparsity=0.01, key_sketch="exact"
+            draft="query_sketch",
+            k=4,
+            num_sinks=2,
+            recent_window=3,
+            min_budget=24,
+            sparsity=0.01,
+            key_sketch="exact",
+            sketch_refresh=0,
         ),
         _layer_specs([None, 8, None]),
     )
@@ -1186,7 +1193,7 @@ def _sketch_picks(**options: Any) -> Callable[[int, str], set[int]]:
 def test_query_sketch_refresh_chooses_afresh_every_so_many_drafts():
     """With ``sketch_refresh=2`` a selection serves its draft and the next; the draft after chooses from its own
     query (the oracle's freshness at ``sketch_refresh=1``)."""
-    picks = _sketch_picks(sketch_refresh=2)
+    picks = _sketch_picks(sketch_refresh=2, sketch_shortlist=0)
     assert 10 in picks(100, "first") and 20 not in picks(100, "first")
     assert picks(101, "other") <= picks(100, "first")  # still the first draft's choice (one pick fewer)
     assert 20 in picks(102, "other") and 10 not in picks(102, "other")  # chosen afresh from its own query
@@ -1269,8 +1276,12 @@ BAD_OPTIONS = [
     pytest.param({"relearn_rounds": 0}, r"relearn_rounds must be an integer >= 1, got 0", id="relearn_rounds=0"),
     pytest.param({"sketch_refresh": -1}, r"sketch_refresh must be an integer >= 0, got -1", id="sketch_refresh<0"),
     pytest.param(
-        {"draft": "query_sketch", "sketch_shortlist": 4},
-        r"sketch_shortlist=4 is rescored by a round's later choices: set sketch_refresh between 1 and k - 1 = 7",
+        {"sketch_shortlist": -2}, r"sketch_shortlist must be None or an integer >= 0, got -2", id="sketch_shortlist<0"
+    ),
+    pytest.param(
+        {"draft": "query_sketch", "sketch_refresh": 0, "sketch_shortlist": 4},
+        r"sketch_shortlist=4 is rescored by a round's later choices: set sketch_refresh between 1 and k - 1 = 7 "
+        r"\(got 0\)",
         id="shortlist_without_refresh",
     ),
     pytest.param(

@@ -25,6 +25,10 @@ from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
 from torchspec.transfer import to_device
 
+#: A round's later choices rescore this many times their picks from its first draft's scoring, by default: 7.72
+#: accepted of 8 (7.84 rescoring everything) for ~1.27x a pillar_recent round's K/V-side reads (docs/acceptance.md).
+DEFAULT_SHORTLIST = 8
+
 
 class _Selection(NamedTuple):
     """What a draft chose in one layer: for itself and the drafts after it until the next refresh."""
@@ -38,12 +42,12 @@ class QuerySketchPolicy(DraftPolicy):
     """Per sparse layer and KV head, a round's drafts attend to the ``num_sinks`` first tokens, the recent window
     (``recent_window``, default 64) and every token written since the last verify, and within the rest of the
     budget to the positions of most attention mass (averaged over the GQA group's query heads) under the
-    sketch's logits for the round's first draft query, each with its ``successors`` next positions (default
-    none). Chosen once a round and layer, at the first draft, and the round's later drafts reuse them; or
-    afresh every ``sketch_refresh`` drafts from the query of the draft that reaches it (scoring only the first
-    choice's ``sketch_shortlist`` x picks best positions, when set). A draft forward's requests choose together,
-    in a fixed number of device operations. What a sketch learns from the prompt (``fit``) is kept per request
-    and layer in its round ``pattern``."""
+    sketch's logits for a draft's own query, each with its ``successors`` next positions (default none). Chosen
+    afresh every ``sketch_refresh`` drafts (default: every draft; 0: once a round, at its first) from the query
+    of the draft that reaches it, the round's later choices among the ``sketch_shortlist`` x picks best positions
+    of its first (default 8x). A draft forward's requests choose together, in a fixed number of device
+    operations. What a sketch learns from the prompt (``fit``) is kept per request and layer in its round
+    ``pattern``."""
 
     name = "query_sketch"
     selects_in_attention = True
@@ -55,7 +59,9 @@ class QuerySketchPolicy(DraftPolicy):
         self.window = config.recent_window or DEFAULT_WINDOW
         self.successors = config.successors
         self.refresh = config.sketch_refresh or config.k
-        self.shortlist = config.sketch_shortlist
+        chooses_again = 0 < config.sketch_refresh < config.k
+        shortlist = config.sketch_shortlist
+        self.shortlist = shortlist if shortlist is not None else DEFAULT_SHORTLIST * chooses_again
         if self.sketch.stored:  # scored on the pool's copy, written as keys are stored
             self.sketched_layers = frozenset(self.sparse_layers)
 
