@@ -41,19 +41,26 @@ def build_lists(
     shape: tuple[int, ...],
     rows: np.ndarray,
     last_positions: np.ndarray,
-    fixed: Sequence[torch.Tensor],
+    fixed: Sequence[torch.Tensor] | torch.Tensor,
     recent_from: np.ndarray | None,
     fixed_limit: torch.Tensor | None = None,
 ) -> tuple[KVView, np.ndarray]:
     """Per-KV-head slot lists (``[*shape, N]``: ``[layers, Hkv, N]``, or ``[Hkv, N]`` for one layer's
     selections), built in a few launches whatever the batch: list ``j`` (slot-table row ``rows[j]``)
-    holds the positions of ``fixed[j]`` (``[n]`` or ``[..., Hkv, n]``), those above ``fixed_limit[j]`` (device;
-    None: none) made padding, then when ``recent_from`` is given every position from ``recent_from[j]`` to
-    ``last_positions[j]``. Also returns the lists' offsets (host)."""
+    holds the positions of ``fixed[j]`` (``[n]`` or ``[..., Hkv, n]``; ``fixed`` one tensor ``[count, *shape, n]``
+    or a sequence, -1 = padding), those above ``fixed_limit[j]`` (device; None: none) made padding, then when
+    ``recent_from`` is given every position from ``recent_from[j]`` to ``last_positions[j]``. Also returns the
+    lists' offsets (host)."""
     device = table.device
-    sources = [f.expand(*shape, -1) if f.dim() == 1 else f for f in fixed]
-    source_starts = offsets(np.fromiter((f.shape[-1] for f in sources), np.int64, len(sources)))
-    fixed_lengths = np.diff(source_starts)
+    if isinstance(fixed, torch.Tensor):  # one width for all: their concatenation is a reshape
+        count, width = fixed.shape[0], fixed.shape[-1]
+        source = fixed.expand(count, *shape, width).movedim(0, -2).reshape(*shape, count * width)
+        fixed_lengths = np.full(count, width, dtype=np.int64)
+    else:
+        sources = [f.expand(*shape, -1) if f.dim() == 1 else f for f in fixed]
+        source = torch.cat(sources, dim=-1)
+        fixed_lengths = np.fromiter((f.shape[-1] for f in sources), np.int64, len(sources))
+    source_starts = offsets(fixed_lengths)
     ends = last_positions + 1
     first_recent = ends if recent_from is None else recent_from  # None: no run
     recent_lengths = ends - first_recent
@@ -69,8 +76,7 @@ def build_lists(
     positions = torch.empty(*shape, total, dtype=torch.int64, device=device)
     owner = _owners(fixed_length, total_fixed)
     local = torch.arange(total_fixed, device=device) - fixed_start[owner]
-    source = torch.cat(sources, dim=-1).to(device, torch.int64)  # a policy keeps one device and dtype
-    picked = source[..., source_start[owner] + local]
+    picked = source.to(device, torch.int64)[..., source_start[owner] + local]  # a policy keeps one device
     if fixed_limit is not None:  # nothing past the limit (K/V there is not this round's yet)
         picked = torch.where(picked > fixed_limit[owner], -1, picked)
     positions[..., start[owner] + local] = picked

@@ -82,9 +82,10 @@ class DraftPolicy:
         prefix (``torchspec.draft_lists``)."""
         raise NotImplementedError
 
-    def select_for_drafts(self, forward: DraftForward) -> tuple[list[torch.Tensor], np.ndarray]:
+    def select_for_drafts(self, forward: DraftForward) -> tuple[list[torch.Tensor] | torch.Tensor, np.ndarray]:
         """Query-aware policies, for one draft forward's requests at once: each request's positions
-        (``[num_kv_heads, n]``, -1 = padding) and the first of the recent run it also reads, up to its position.
+        (``[num_kv_heads, n]``, -1 = padding; or all of them as one ``[requests, num_kv_heads, n]``) and the first
+        of the recent run it also reads, up to its position.
         By default one ``select_positions`` a request (whose positions end with the recent ones: an empty run)."""
         requests, positions, layer, queries, keys, scale = forward
         chosen = [

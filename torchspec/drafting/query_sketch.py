@@ -30,12 +30,21 @@ from torchspec.transfer import to_device
 DEFAULT_SHORTLIST = 8
 
 
+class _Choice(NamedTuple):
+    """What one choice made for several requests of a draft forward together, one row each: their sinks and picks
+    ``[n, Hkv, c]`` and the shortlists the round's later choices rescore ``[n, Hkv, m]`` (-1 = padding)."""
+
+    older: torch.Tensor
+    shortlist: torch.Tensor | None = None
+
+
 class _Selection(NamedTuple):
-    """What a draft chose in one layer: for itself and the drafts after it until the next refresh."""
+    """A request's choice in one layer, serving its draft and those after it until the next refresh: row ``row``
+    of ``choice`` (a reference, not a copy: a forward of hundreds of requests slices nothing per request)."""
 
     position: int  # of the draft that chose
-    older: torch.Tensor  # sinks and picks, [num_kv_heads, n], -1 = padding
-    shortlist: torch.Tensor | None = None  # positions the round's later choices rescore, [num_kv_heads, m]
+    choice: _Choice
+    row: int
 
 
 class QuerySketchPolicy(DraftPolicy):
@@ -82,7 +91,7 @@ class QuerySketchPolicy(DraftPolicy):
             request.round.recent_start = max(0, first - window)
             request.round.selections = {}
 
-    def select_for_drafts(self, forward: DraftForward) -> tuple[list[torch.Tensor], np.ndarray]:
+    def select_for_drafts(self, forward: DraftForward) -> tuple[torch.Tensor, np.ndarray]:
         requests, positions, layer = forward.requests, forward.positions, forward.layer
         stale = [
             j
@@ -93,7 +102,8 @@ class QuerySketchPolicy(DraftPolicy):
         if stale:
             self._choose(forward, stale)
         recent_from = np.fromiter((request.round.recent_start for request in requests), np.int64, len(requests))
-        return [request.round.selections[layer].older for request in requests], recent_from
+        selections = [request.round.selections[layer] for request in requests]
+        return _gathered(selections, "older", forward.keys.k_cache.device), recent_from
 
     def _choose(self, forward: DraftForward, stale: list[int]) -> None:
         """Each ``stale`` request's sinks and picks among its positions before ``recent_start``: all of them
@@ -101,18 +111,16 @@ class QuerySketchPolicy(DraftPolicy):
         its shortlist when it has one, else among all of them, then keeping its best ``sketch_shortlist`` x
         picks as the round's shortlist)."""
         requests, positions, layer = forward.requests, forward.positions, forward.layer
-        num_kv_heads, device = forward.keys.k_cache.shape[1], forward.keys.k_cache.device
         whole, scored = [], []
         for j in stale:
             older = requests[j].round.recent_start
             sinks = min(self.num_sinks, older)
             room = self.budget(positions[j] + 1) - (positions[j] + 1 - older) - sinks
             (whole if room >= older - sinks or room <= 0 else scored).append((j, older, sinks, room))
-        for j, older, sinks, room in whole:
-            kept = older if room > 0 else sinks
-            requests[j].round.selections[layer] = _Selection(
-                positions[j], torch.arange(kept, device=device).expand(num_kv_heads, -1)
-            )
+        if whole:
+            kept = [older if room > 0 else sinks for _, older, sinks, room in whole]
+            num_kv_heads, device = forward.keys.k_cache.shape[1], forward.keys.k_cache.device
+            self._keep(forward, [entry[0] for entry in whole], _Choice(_prefixes(kept, num_kv_heads, device)))
         groups: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}  # among a shortlist, or all
         for entry in scored:
             groups[self._shortlist(requests[entry[0]], layer) is not None].append(entry)
@@ -120,27 +128,34 @@ class QuerySketchPolicy(DraftPolicy):
             if group:
                 self._score(forward, group)
 
+    @staticmethod
+    def _keep(forward: DraftForward, index: Sequence[int], choice: _Choice) -> None:
+        """Request ``index[i]`` of the forward keeps row ``i`` of ``choice`` in the forward's layer."""
+        requests, positions, layer = forward.requests, forward.positions, forward.layer
+        for row, j in enumerate(index):
+            requests[j].round.selections[layer] = _Selection(positions[j], choice, row)
+
     def _score(self, forward: DraftForward, scored: list[tuple[int, int, int, int]]) -> None:
         """Sketch scores, Top-K and successors of the requests ``scored`` (index, older positions, sinks,
         room), all together, each at its round's first choice or each among its shortlist: the candidates
         ``[n, Hkv, S]`` (-1 = padding) hold the sinks first, which weigh in each query head's softmax and are
         never picked."""
-        requests, positions, layer, queries, keys, scale = forward
+        requests, _, layer, queries, keys, scale = forward
         num_kv_heads, device = keys.k_cache.shape[1], keys.k_cache.device
         index, older, sinks, room = (list(column) for column in zip(*scored, strict=True))
         span = self.successors + 1
         counts = [max(1, r // span) for r in room]
-        shortlists = [self._shortlist(requests[j], layer) for j in index]
         on_device = to_device([older, sinks, counts], device)[..., None, None]
         older_t, sinks_t, counts_t = on_device
-        first_choice = shortlists[0] is None  # a group is all first choices or all among shortlists
+        first_choice = self._shortlist(requests[index[0]], layer) is None  # all first choices, or all among shortlists
         sink_positions = torch.arange(max(sinks), device=device).expand(len(index), num_kv_heads, -1)
         sink_positions = torch.where(sink_positions < sinks_t, sink_positions, -1)
         if first_choice:
             candidates = torch.arange(max(older), device=device).expand(len(index), num_kv_heads, -1)
             candidates = torch.where(candidates < older_t, candidates, -1)
         else:
-            candidates = torch.cat([sink_positions, _stacked(shortlists)], dim=-1)
+            shortlists = [requests[j].round.selections[layer] for j in index]
+            candidates = torch.cat([sink_positions, _gathered(shortlists, "shortlist", device)], dim=-1)
         grouped = queries[index].reshape(len(index), num_kv_heads, -1, queries.shape[-1])  # [n, Hkv, G, D]
         rows = to_device(index, device)
         if keys.codes is not None:
@@ -154,18 +169,17 @@ class QuerySketchPolicy(DraftPolicy):
         mass = mass.masked_fill((candidates < sinks_t), -1.0)  # padding and sinks: never picked
         picks = _positions(candidates, self.ops.top_k_positions(mass, counts_t[..., 0], max(counts)))
         chosen = torch.cat([sink_positions, expand_successors(picks, span, older_t)], dim=-1)
-        best = None
+        shortlist = None
         if self.shortlist and first_choice:
             sizes = [self.shortlist * count for count in counts]
-            best = _positions(candidates, self.ops.top_k_positions(mass, counts_t[..., 0] * self.shortlist, max(sizes)))
-        for row, j in enumerate(index):
-            shortlist = best[row] if best is not None else shortlists[row]
-            requests[j].round.selections[layer] = _Selection(positions[j], chosen[row], shortlist)
+            best = self.ops.top_k_positions(mass, counts_t[..., 0] * self.shortlist, max(sizes))
+            shortlist = _positions(candidates, best)
+        self._keep(forward, index, _Choice(chosen, shortlist))
 
     @staticmethod
     def _shortlist(request: Request, layer: int) -> torch.Tensor | None:
         made = request.round.selections.get(layer)
-        return None if made is None else made.shortlist
+        return None if made is None else made.choice.shortlist
 
     def _fitted(
         self, requests: Sequence[Request], index: Sequence[int], layer: int, keys: DraftKeys
@@ -188,10 +202,28 @@ def _positions(candidates: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return torch.where(chosen >= 0, candidates.gather(-1, chosen.clamp(min=0).long()), -1)
 
 
-def _stacked(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[Hkv, m]`` position rows of different widths as one ``[n, Hkv, max m]``, -1 = padding in front (one copy
-    where they agree, as the rows chosen together do)."""
-    width = max(row.shape[-1] for row in rows)
-    if all(row.shape[-1] == width for row in rows):
-        return torch.stack(list(rows))
-    return torch.stack([torch.nn.functional.pad(row, (width - row.shape[-1], 0), value=-1) for row in rows])
+def _prefixes(lengths: Sequence[int], num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """``[n, Hkv, max length]``: row ``i`` holds positions ``0 .. lengths[i] - 1`` in every head, then -1."""
+    positions = torch.arange(max(lengths), device=device).expand(len(lengths), num_kv_heads, -1)
+    return torch.where(positions < to_device(lengths, device)[:, None, None], positions, -1)
+
+
+def _gathered(selections: Sequence[_Selection], part: str, device: torch.device) -> torch.Tensor:
+    """The ``part`` (``older`` or ``shortlist``) rows of ``selections`` as one ``[n, Hkv, width]`` tensor (-1 =
+    padding at the end): the choice itself where the selections are its rows in order (a forward whose requests
+    all chose together), else a copy per choice they come from."""
+    first = selections[0].choice
+    if all(s.choice is first and s.row == row for row, s in enumerate(selections)):
+        return getattr(first, part)[: len(selections)]  # a chain's later forwards run a prefix of its requests
+    sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # choice -> (part, its rows, our rows)
+    for at, selection in enumerate(selections):
+        tensor = getattr(selection.choice, part)
+        _, rows, ours = sources.setdefault(id(selection.choice), (tensor, [], []))
+        rows.append(selection.row)
+        ours.append(at)
+    width = max(tensor.shape[-1] for tensor, _, _ in sources.values())
+    out = torch.full((len(selections), first.older.shape[1], width), -1, dtype=torch.int64, device=device)
+    for tensor, rows, ours in sources.values():
+        index = to_device([ours, rows], device)
+        out[index[0], :, : tensor.shape[-1]] = tensor[index[1]].long()
+    return out
