@@ -168,12 +168,19 @@ store_key_sketch = torch.library.custom_op("torchspec::store_key_sketch", mutate
 )
 
 
-@torch.library.custom_op("torchspec::sketch_logits", mutates_args=())
-def sketch_logits(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """See :func:`attention.reference.sketch_logits`."""
-    return sketch_kernels.sketch_logits(query, codes, scales, slots)
+@torch.library.custom_op("torchspec::sketch_mass", mutates_args=())
+def sketch_mass(
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    skip: torch.Tensor,
+) -> torch.Tensor:
+    """See :func:`attention.reference.sketch_mass`."""
+    return sketch_kernels.sketch_mass(query, codes, scales, slots, scale, skip)
 
 
-@sketch_logits.register_fake
-def _(query, codes, scales, slots):
-    return query.new_empty((*query.shape[:3], slots.shape[-1]), dtype=torch.float32)
+@sketch_mass.register_fake
+def _(query, codes, scales, slots, scale, skip):
+    return query.new_empty(slots.shape, dtype=torch.float32)

@@ -34,7 +34,7 @@ OP_NAMES = (
     "warped_lse",
     "top_k_positions",
     "store_key_sketch",
-    "sketch_logits",
+    "sketch_mass",
 )
 #: The verify mass PillarAttn ranks: bf16 keeps ~2-3 significant digits (a Top-K needs no more) over fp32's range
 #: (weights relative to the sink span far more than fp16's), and a 16-bit Top-K takes two radix passes where fp32
@@ -302,3 +302,28 @@ def sketch_logits(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     channels = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).float() - 8
     keys = channels * scales[slots, heads][..., None]
     return torch.einsum("nhgd,nhsd->nhgs", query.float(), keys)
+
+
+def group_mass(logits: torch.Tensor, valid: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    """``[n, Hkv, S]`` fp32: the attention each entry of a row gets from a GQA group, each query head's softmax of
+    ``logits`` (``[n, Hkv, G, S]``, scaled) over the row's ``valid`` entries averaged over the group; -1 for the
+    entries not valid and the first ``skip[i]`` of row ``i`` (``[n]``), which weigh in the softmax but are never
+    to be picked (a draft's sinks)."""
+    logits = logits.float().masked_fill(~valid[:, :, None], float("-inf"))
+    mass = logits.softmax(dim=-1).mean(dim=2)
+    skipped = torch.arange(logits.shape[-1], device=logits.device) < skip[:, None, None]
+    return mass.masked_fill(~valid | skipped, -1.0)
+
+
+def sketch_mass(
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    skip: torch.Tensor,
+) -> torch.Tensor:
+    """``group_mass`` of ``scale`` x ``sketch_logits`` at ``slots`` (``[n, Hkv, S]``, -1 = padding): how much of
+    each group's attention a query-aware draft would give each candidate position, read from the int4 sketch."""
+    valid = slots >= 0
+    return group_mass(sketch_logits(query, codes, scales, slots.clamp(min=0)) * scale, valid, skip)

@@ -112,13 +112,13 @@ class DraftKeys:
 
     def slots_at(self, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Slots ``[n, Hkv, S]`` of requests ``requests`` (``[n]``, indices into the forward's) at ``positions``
-        (``[n, Hkv, S]``, each KV head its own; -1 = padding, given position 0's slot)."""
-        return self.table.slots[self.rows[requests][:, None, None], positions.clamp(min=0)]
+        (``[n, Hkv, S]``, each KV head its own; -1 = padding, kept)."""
+        return self.table.lookup(self.rows[requests][:, None, None], positions)
 
     def at(self, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Keys ``[n, Hkv, S, D]`` at ``slots_at(requests, positions)``."""
+        """Keys ``[n, Hkv, S, D]`` at ``slots_at(requests, positions)`` (padding: slot 0's)."""
         heads = torch.arange(self.k_cache.shape[1], device=self.k_cache.device)[None, :, None]
-        return self.k_cache[self.slots_at(requests, positions), heads]
+        return self.k_cache[self.slots_at(requests, positions).clamp(min=0), heads]
 
     def up_to(self, j: int, position: int) -> torch.Tensor:
         """Keys ``[position + 1, Hkv, D]`` of request ``j`` at positions 0 .. ``position``."""

@@ -11,7 +11,7 @@ that would cost a verify's K reads. A sketch keeps a few bytes a key instead, ch
 - ``exact``: the keys themselves (the bound the others approach, at a full read of K).
 
 ``int4`` is the one the KV pool keeps, written beside the K/V as keys are stored (``KVPool.codes``, scored by the
-op ``sketch_logits``). The others, kept for the study of docs/acceptance.md, are computed here from the full keys,
+op ``sketch_mass``). The others, kept for the study of docs/acceptance.md, are computed here from the full keys,
 which gives the numbers a stored sketch would.
 """
 

@@ -44,17 +44,27 @@ def test_store_writes_the_reference_codes_at_the_slots_only(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "length"), [(3, 70), (1, 5), (8, 130)])
-def test_sketch_logits_match_the_reference(dtype, group, length):
+def test_sketch_mass_matches_the_reference(dtype, group, length):
+    """Padding (-1 slots) takes no part and gets -1, as do the first ``skip`` entries, which still weigh in."""
     torch.manual_seed(1)
     heads, head_dim, num_slots = 2, 64, 200
     k_cache = torch.randn(num_slots, heads, head_dim).to(dtype)
     codes, scales = _sketched(k_cache, torch.arange(num_slots), reference.store_key_sketch)
-    query = torch.randn(3, heads, group, head_dim).to(dtype)
+    query = (3 * torch.randn(3, heads, group, head_dim)).to(dtype)
     slots = torch.randint(num_slots, (3, heads, length))
-    expected = reference.sketch_logits(query, codes, scales, slots)
-    actual = sketch_kernels.sketch_logits(query.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), slots.to(DEVICE))
-    tolerance = 1e-4 if dtype == torch.float32 or DEVICE == "cpu" else 2e-2  # tf32 dots on a GPU
-    torch.testing.assert_close(actual.cpu(), expected, rtol=tolerance, atol=tolerance)
+    slots[1, :, length // 2 :] = -1
+    slots[2, 1] = -1  # a row of padding only
+    skip = torch.tensor([2, 0, 1])
+    expected = reference.sketch_mass(query, codes, scales, slots, 0.125, skip)
+    args = [t.to(DEVICE) for t in (query, codes, scales, slots)]
+    actual = sketch_kernels.sketch_mass(*args, 0.125, skip.to(DEVICE)).cpu()
+    tolerance = 1e-5 if dtype == torch.float32 or DEVICE == "cpu" else 2e-3  # tf32 dots on a GPU
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+    assert (expected[1, :, length // 2 :] == -1).all() and (expected[2, 1] == -1).all()
+    assert (expected[0, :, :2] == -1).all() and (expected[2, 0, :1] == -1).all()
+    kept = expected.clamp(min=0)
+    skipped_share = 1 - kept.sum(dim=-1)  # what the skipped entries took of each group's attention
+    assert (skipped_share[0] > 0).all() and torch.allclose(skipped_share[1], torch.zeros(heads), atol=1e-5)
 
 
 def test_the_stored_sketch_scores_what_the_study_scored_from_full_keys():

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from attention.reference import group_mass
 from torchspec.config import SpecConfig
 from torchspec.draft_lists import DraftForward, DraftKeys
 from torchspec.drafting.base import DraftPolicy
@@ -158,15 +159,15 @@ class QuerySketchPolicy(DraftPolicy):
             candidates = torch.cat([sink_positions, _gathered(shortlists, "shortlist", device)], dim=-1)
         grouped = queries[index].reshape(len(index), num_kv_heads, -1, queries.shape[-1])  # [n, Hkv, G, D]
         rows = to_device(index, device)
+        # The sinks lead each row (a shortlist's, padded to the most sinks): they weigh in, never picked.
+        skip = sinks_t.flatten() if first_choice else torch.full_like(sinks_t.flatten(), max(sinks))
         if keys.codes is not None:
-            logits = self.ops.sketch_logits(grouped, keys.codes, keys.scales, keys.slots_at(rows, candidates))
+            slots = keys.slots_at(rows, candidates)
+            mass = self.ops.sketch_mass(grouped, keys.codes, keys.scales, slots, scale, skip)  # [n, Hkv, S]
         else:  # a sketch of the study, computed from the full keys
             fitted = self._fitted([requests[j] for j in index], index, layer, keys)
-            logits = self.sketch.logits(grouped, keys.at(rows, candidates), fitted)
-        logits = logits * scale
-        logits = logits.masked_fill((candidates < 0)[:, :, None], float("-inf"))
-        mass = logits.softmax(dim=-1).mean(dim=2)  # [n, Hkv, S]
-        mass = mass.masked_fill((candidates < sinks_t), -1.0)  # padding and sinks: never picked
+            logits = self.sketch.logits(grouped, keys.at(rows, candidates), fitted) * scale
+            mass = group_mass(logits, candidates >= 0, skip)
         picks = _positions(candidates, self.ops.top_k_positions(mass, counts_t[..., 0], max(counts)))
         chosen = torch.cat([sink_positions, expand_successors(picks, span, older_t)], dim=-1)
         shortlist = None
@@ -174,6 +175,7 @@ class QuerySketchPolicy(DraftPolicy):
             sizes = [self.shortlist * count for count in counts]
             best = self.ops.top_k_positions(mass, counts_t[..., 0] * self.shortlist, max(sizes))
             shortlist = _positions(candidates, best)
+            shortlist = torch.where(shortlist >= sinks_t, shortlist, -1)  # a short row's ties at -1: no sinks
         self._keep(forward, index, _Choice(chosen, shortlist))
 
     @staticmethod
