@@ -162,23 +162,13 @@ def _(values, k, max_k):
     return values.new_empty(*values.shape[:-1], max_k, dtype=torch.int32)
 
 
-# The kernel's own signature is the op's schema.
+# The kernels' own signatures are the ops' schemas.
 store_key_sketch = torch.library.custom_op("torchspec::store_key_sketch", mutates_args=("codes", "scales"))(
     sketch_kernels.store_key_sketch
 )
 
 
-@torch.library.custom_op("torchspec::sketch_mass", mutates_args=())
-def sketch_mass(
-    query: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    slots: torch.Tensor,
-    scale: float,
-    skip: torch.Tensor,
-) -> torch.Tensor:
-    """See :func:`attention.reference.sketch_mass`."""
-    return sketch_kernels.sketch_mass(query, codes, scales, slots, scale, skip)
+sketch_mass = torch.library.custom_op("torchspec::sketch_mass", mutates_args=())(sketch_kernels.sketch_mass)
 
 
 @sketch_mass.register_fake

@@ -130,13 +130,9 @@ def _sketch_mass_kernel(
 
 
 def sketch_mass(
-    query: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    slots: torch.Tensor,
-    scale: float,
+    query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, scale: float,
     skip: torch.Tensor,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """See :func:`attention.reference.sketch_mass`. Codes are exact in any float type, so the dots round only the
     queries: fp32 queries keep fp32 products (``ieee``), others take tf32."""
     query, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, slots))
