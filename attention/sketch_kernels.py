@@ -41,9 +41,10 @@ def _store_sketch_kernel(
     even = tl.load(row + 2 * pairs, mask=valid, other=0.0).to(tl.float32)
     odd = tl.load(row + 2 * pairs + 1, mask=valid, other=0.0).to(tl.float32)
     largest = tl.maximum(tl.max(tl.abs(even), axis=0), tl.max(tl.abs(odd), axis=0))
-    scale = tl.maximum(largest, 1.1754943508222875e-38) / LEVELS
-    low = tl.minimum(tl.maximum(_round_half_even(even / scale), -LEVELS), LEVELS).to(tl.int32) + 8
-    high = tl.minimum(tl.maximum(_round_half_even(odd / scale), -LEVELS), LEVELS).to(tl.int32) + 8
+    # Divisions rounded as IEEE (and torch) round them: a GPU's default fp32 division is off by up to 2 ulp.
+    scale = tl.math.div_rn(tl.maximum(largest, 1.1754943508222875e-38), tl.full((), LEVELS, tl.float32))
+    low = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(even, scale)), -LEVELS), LEVELS).to(tl.int32) + 8
+    high = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(odd, scale)), -LEVELS), LEVELS).to(tl.int32) + 8
     tl.store(Codes + slot * stride_cs + head * stride_ch + pairs, (low | (high << 4)).to(tl.uint8), mask=valid)
     tl.store(Scales + slot * stride_ss + head * stride_sh, scale)
 
