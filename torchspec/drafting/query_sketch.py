@@ -121,7 +121,8 @@ class QuerySketchPolicy(DraftPolicy):
         if whole:
             kept = [older if room > 0 else sinks for _, older, sinks, room in whole]
             num_kv_heads, device = forward.keys.k_cache.shape[1], forward.keys.k_cache.device
-            self._keep(forward, [entry[0] for entry in whole], _Choice(_prefixes(kept, num_kv_heads, device)))
+            lengths = to_device(kept, device)[:, None, None]
+            self._keep(forward, [entry[0] for entry in whole], _Choice(_prefixes(lengths, max(kept), num_kv_heads)))
         groups: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}  # among a shortlist, or all
         for entry in scored:
             groups[self._shortlist(requests[entry[0]], layer) is not None].append(entry)
@@ -149,11 +150,9 @@ class QuerySketchPolicy(DraftPolicy):
         on_device = to_device([older, sinks, counts], device)[..., None, None]
         older_t, sinks_t, counts_t = on_device
         first_choice = self._shortlist(requests[index[0]], layer) is None  # all first choices, or all among shortlists
-        sink_positions = torch.arange(max(sinks), device=device).expand(len(index), num_kv_heads, -1)
-        sink_positions = torch.where(sink_positions < sinks_t, sink_positions, -1)
+        sink_positions = _prefixes(sinks_t, max(sinks), num_kv_heads)
         if first_choice:
-            candidates = torch.arange(max(older), device=device).expand(len(index), num_kv_heads, -1)
-            candidates = torch.where(candidates < older_t, candidates, -1)
+            candidates = _prefixes(older_t, max(older), num_kv_heads)
         else:
             shortlists = [requests[j].round.selections[layer] for j in index]
             candidates = torch.cat([sink_positions, _gathered(shortlists, "shortlist", device)], dim=-1)
@@ -204,10 +203,11 @@ def _positions(candidates: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return torch.where(chosen >= 0, candidates.gather(-1, chosen.clamp(min=0).long()), -1)
 
 
-def _prefixes(lengths: Sequence[int], num_kv_heads: int, device: torch.device) -> torch.Tensor:
-    """``[n, Hkv, max length]``: row ``i`` holds positions ``0 .. lengths[i] - 1`` in every head, then -1."""
-    positions = torch.arange(max(lengths), device=device).expand(len(lengths), num_kv_heads, -1)
-    return torch.where(positions < to_device(lengths, device)[:, None, None], positions, -1)
+def _prefixes(lengths: torch.Tensor, width: int, num_kv_heads: int) -> torch.Tensor:
+    """``[n, Hkv, width]``: row ``i`` holds positions ``0 .. lengths[i] - 1`` in every head, then -1 (``lengths``
+    ``[n, 1, 1]`` on the device, none above ``width``)."""
+    positions = torch.arange(width, device=lengths.device).expand(lengths.shape[0], num_kv_heads, -1)
+    return torch.where(positions < lengths, positions, -1)
 
 
 def _gathered(selections: Sequence[_Selection], part: str, device: torch.device) -> torch.Tensor:
