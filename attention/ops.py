@@ -152,13 +152,15 @@ def _(logits, temperature, cutoff):
 
 
 @torch.library.custom_op("torchspec::top_k_positions", mutates_args=())
-def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+def top_k_positions(
+    values: torch.Tensor, k: torch.Tensor, max_k: int, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
     """See :func:`attention.reference.top_k_positions`."""
-    return select_kernels.top_k_positions(values, k, max_k)
+    return select_kernels.top_k_positions(values, k, max_k, lengths)
 
 
 @top_k_positions.register_fake
-def _(values, k, max_k):
+def _(values, k, max_k, lengths=None):
     return values.new_empty(*values.shape[:-1], max_k, dtype=torch.int32)
 
 
@@ -172,5 +174,14 @@ sketch_mass = torch.library.custom_op("torchspec::sketch_mass", mutates_args=())
 
 
 @sketch_mass.register_fake
-def _(query, codes, scales, slots, scale, skip):
-    return query.new_empty(slots.shape, dtype=torch.float32)
+def _(query, codes, scales, table, rows, prefix, listed, listed_lengths, scale, skip, width):
+    return query.new_empty(*query.shape[:2], width, dtype=torch.float32)
+
+
+sketch_lists = torch.library.custom_op("torchspec::sketch_lists", mutates_args=())(sketch_kernels.sketch_lists)
+
+
+@sketch_lists.register_fake
+def _(picks, table, rows, prefix, listed, listed_lengths, sinks, recent_start, recent, span, width):
+    num, num_kv_heads, _ = picks.shape
+    return picks.new_empty(num_kv_heads, num * width, dtype=table.dtype), picks.new_empty(num, dtype=torch.int64)

@@ -261,14 +261,22 @@ def warped_lse(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Te
     return scaled.masked_fill(scaled < cutoff[:, None], float("-inf")).logsumexp(dim=-1)
 
 
-def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+def top_k_positions(
+    values: torch.Tensor, k: torch.Tensor, max_k: int, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[..., max_k]`` int32: the positions of the ``k`` largest entries of each row of ``values`` (``[..., W]``,
     any float dtype; ``k`` broadcast to its leading dimensions, clamped to ``[0, min(max_k, W)]``) in ascending
     order, after ``max_k - k`` entries of -1. Among entries equal to the k-th largest, the lowest positions are
-    taken; -0.0 equals 0.0. The k-th largest value of a row is then the least of its picks."""
+    taken; -0.0 equals 0.0. The k-th largest value of a row is then the least of its picks. ``lengths`` (broadcast
+    like ``k``; None: ``W``): a row's entries from its length on are not read, nor picked (``k`` clamped to it)."""
     width = values.shape[-1]
-    counts = k.expand(values.shape[:-1]).clamp(0, min(max_k, width))[..., None]
-    out = torch.full((*values.shape[:-1], max_k + 1), -1, dtype=torch.int32, device=values.device)
+    lead = values.shape[:-1]
+    counts = k.expand(lead).clamp(0, min(max_k, width))[..., None]
+    if lengths is not None:
+        inside = torch.arange(width, device=values.device) < lengths.expand(lead)[..., None]
+        values = values.masked_fill(~inside, float("-inf"))
+        counts = torch.minimum(counts, lengths.expand(lead)[..., None])
+    out = torch.full((*lead, max_k + 1), -1, dtype=torch.int32, device=values.device)
     if values.numel() == 0 or max_k == 0:
         return out[..., :max_k]
     largest = values.topk(min(max_k, width), dim=-1).values
@@ -315,15 +323,90 @@ def group_mass(logits: torch.Tensor, valid: torch.Tensor, skip: torch.Tensor) ->
     return mass.masked_fill(~valid | skipped, -1.0)
 
 
+def candidate_positions(
+    prefix: torch.Tensor, listed: torch.Tensor, listed_lengths: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """The positions of candidates ``index`` (``[n, Hkv, m]``, -1 = none) of rows whose candidates are positions
+    0 .. ``prefix[i]`` - 1, then the last ``listed_lengths[i]`` entries of ``listed[rows[i], h]`` (``listed``:
+    ``[R, Hkv, L]``, -1 = padding; a Top-K's layout, its picks last): -1 for none, padding and indices past a
+    row's candidates."""
+    prefix, total = prefix[:, None, None], (prefix + listed_lengths)[:, None, None]
+    heads = torch.arange(listed.shape[1], device=index.device)[None, :, None]
+    width = listed.shape[-1]
+    at = (width - listed_lengths[:, None, None] + index - prefix).clamp(0, max(width - 1, 0))
+    from_list = listed[rows[:, None, None], heads, at].long() if width else torch.full_like(index, -1)
+    return torch.where((index < 0) | (index >= total), -1, torch.where(index < prefix, index, from_list)).long()
+
+
 def sketch_mass(
     query: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
-    slots: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    prefix: torch.Tensor,
+    listed: torch.Tensor,
+    listed_lengths: torch.Tensor,
     scale: float,
     skip: torch.Tensor,
+    width: int,
 ) -> torch.Tensor:
-    """``group_mass`` of ``scale`` x ``sketch_logits`` at ``slots`` (``[n, Hkv, S]``, -1 = padding): how much of
-    each group's attention a query-aware draft would give each candidate position, read from the int4 sketch."""
-    valid = slots >= 0
-    return group_mass(sketch_logits(query, codes, scales, slots.clamp(min=0)) * scale, valid, skip)
+    """``[n, Hkv, width]`` fp32: how much of each GQA group's attention a query-aware draft would give each
+    candidate position (``group_mass`` of ``scale`` x ``sketch_logits``), read from the int4 sketch. Row ``i``'s
+    candidates (``candidate_positions``, ``listed`` by slot-table row as ``table``) sit at slots ``table[rows[i],
+    position]``; its first ``skip[i]`` and its
+    padding get -1, as do the entries past its candidates (which the Triton kernel leaves unwritten: read the rows
+    with ``top_k_positions``' ``lengths``)."""
+    num, num_kv_heads = query.shape[:2]
+    index = torch.arange(width, device=query.device).expand(num, num_kv_heads, width)
+    positions = candidate_positions(prefix, listed, listed_lengths, index, rows)
+    slots = torch.where(positions >= 0, table[rows[:, None, None], positions.clamp(min=0)], -1)
+    return group_mass(sketch_logits(query, codes, scales, slots.clamp(min=0)) * scale, slots >= 0, skip)
+
+
+def sketch_lists(
+    picks: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    prefix: torch.Tensor,
+    listed: torch.Tensor,
+    listed_lengths: torch.Tensor,
+    sinks: torch.Tensor,
+    recent_start: torch.Tensor,
+    recent: torch.Tensor,
+    span: int,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A query-aware draft's lists from its picks: the slots ``[Hkv, n x width]`` (-1 = padding) and the end of
+    each request's list ``[n]`` (offsets into them). Request ``i``'s list (``width`` entries a KV head) holds its
+    first ``sinks[i]`` positions, the ``recent[i]`` positions from ``recent_start[i]``, then each pick with the
+    ``span - 1`` positions after it: ``picks`` (``[n, Hkv, P]``, ``top_k_positions``' layout: -1 first, then
+    ascending indices) are candidates as ``sketch_mass`` takes them (ascending in position), mapped by
+    ``candidate_positions``; a pick among the first ``sinks[i]`` candidates (a sink: never picked) is left out, as
+    is a successor at or past ``recent_start[i]`` or the next pick (no position twice). Slots are
+    ``table[rows[i], position]``."""
+    num, num_kv_heads, most = picks.shape
+    count = (picks >= 0).sum(dim=-1)  # [n, Hkv]: the same in every head
+    positions = candidate_positions(prefix, listed, listed_lengths, picks.long(), rows)
+    positions = torch.where(picks < sinks[:, None, None], -1, positions)
+    following = torch.cat([positions[..., 1:], torch.full_like(positions[..., :1], -1)], dim=-1)
+    steps = torch.arange(span, device=picks.device)
+    spread = positions[..., None] + steps  # [n, Hkv, P, span]
+    kept = (positions[..., None] >= 0) & (spread < recent_start[:, None, None, None])
+    kept &= (following[..., None] < 0) | (spread < following[..., None])
+    spread = torch.where(kept, spread, -1).flatten(-2)  # the picks' region: compacted picks start at P - count
+    entry = torch.arange(width, device=picks.device)[None, None, :]
+    sinks_, recent_ = sinks[:, None, None], recent[:, None, None]
+    in_picks = entry - sinks_ - recent_
+    from_picks = ((most - count[..., None]) * span + in_picks).clamp(0, max(most * span - 1, 0))
+    picked = spread.gather(-1, from_picks) if most else torch.full_like(from_picks, -1)
+    ends = sinks + recent + count[:, 0] * span if most else sinks + recent
+    list_positions = torch.where(
+        entry < sinks_,
+        entry,
+        torch.where(in_picks < 0, recent_start[:, None, None] + entry - sinks_, picked),
+    )
+    list_positions = torch.where(entry < ends[:, None, None], list_positions, -1)
+    slots = torch.where(list_positions >= 0, table[rows[:, None, None], list_positions.clamp(min=0)], -1)
+    starts = torch.arange(num, device=picks.device) * width
+    return slots.transpose(0, 1).reshape(num_kv_heads, num * width), starts + ends

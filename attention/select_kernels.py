@@ -73,16 +73,19 @@ def _write_chosen(Out, out_offset, pad, keys, positions, valid, kth, remaining, 
     return taken + tl.sum(chosen.to(tl.int32), axis=0), ties + tl.sum(tie.to(tl.int32), axis=0)
 
 
-@triton.jit(do_not_specialize=["k_period", "stride_k", "width", "max_k"])  # one variant per layout
+@triton.jit(do_not_specialize=["k_group", "k_period", "stride_k", "width", "max_k"])  # one variant per layout
 def _top_k_kernel(
     Values,
     K,
+    Lengths,
     Out,
     Gathered,
+    k_group,
     k_period,
     stride_k,
     width,
     max_k,
+    HAS_LENGTHS: tl.constexpr,
     KEY_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     FITS: tl.constexpr,
@@ -90,11 +93,16 @@ def _top_k_kernel(
 ):
     """One row: ``max_k - k`` entries of -1, then the positions of its ``k`` largest values in ascending order
     (ties to the k-th largest: the lowest positions). Rows are ``width`` apart, their picks ``max_k``; row ``r``
-    takes ``K[r % k_period]`` (k broadcast over the leading dimensions), clamped to ``[0, min(max_k, width)]``."""
+    takes ``K[(r // k_group) % k_period]`` (k broadcast over the leading dimensions), clamped to ``[0, min(max_k,
+    width)]``; with ``HAS_LENGTHS`` it reads only the first ``Lengths[...]`` entries (the same index)."""
     row = tl.program_id(0)
-    k = tl.load(K + (row % k_period) * stride_k).to(tl.int32)
-    k = tl.minimum(tl.maximum(k, 0), tl.minimum(max_k, width))
+    k_at = ((row // k_group) % k_period) * stride_k
+    k = tl.load(K + k_at).to(tl.int32)
     row_offset = row.to(tl.int64) * width
+    length = width  # entries read
+    if HAS_LENGTHS:
+        length = tl.minimum(width, tl.load(Lengths + k_at).to(tl.int32))
+    k = tl.minimum(tl.maximum(k, 0), tl.minimum(max_k, length))
     out_offset = row.to(tl.int64) * max_k
     offs = tl.arange(0, BLOCK)
     pad = max_k - k
@@ -102,20 +110,20 @@ def _top_k_kernel(
         tl.store(Out + out_offset + start + offs, -1, mask=start + offs < pad)
     zero = tl.zeros([], tl.int32)
     if FITS:
-        keys, in_row = _load_keys(Values, row_offset, offs, width, KEY_BITS)
+        keys, in_row = _load_keys(Values, row_offset, offs, length, KEY_BITS)
         kth = _kth_largest(keys, k, KEY_BITS)
         above = tl.sum((keys > kth).to(tl.int32), axis=0)
         _write_chosen(Out, out_offset, pad, keys, offs, in_row, kth, k - above, zero, zero)
     else:
         lane_max = tl.zeros([BLOCK], tl.uint32)
-        for start in range(0, width, BLOCK):
-            keys, _ = _load_keys(Values, row_offset, start + offs, width, KEY_BITS)
+        for start in range(0, length, BLOCK):
+            keys, _ = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
             lane_max = tl.maximum(lane_max, keys)
         bound = _kth_largest(lane_max, k, KEY_BITS)  # lane maxima are row entries: at most the row's k-th largest
         gathered_offset = row.to(tl.int64) * CAP
         count = zero
-        for start in range(0, width, BLOCK):
-            keys, in_row = _load_keys(Values, row_offset, start + offs, width, KEY_BITS)
+        for start in range(0, length, BLOCK):
+            keys, in_row = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
             candidate = in_row & (keys >= bound)
             slot = count + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
             tl.store(Gathered + gathered_offset + slot, start + offs, mask=candidate & (slot < CAP))
@@ -134,29 +142,29 @@ def _top_k_kernel(
             for bit in tl.static_range(KEY_BITS):
                 probe = kth | (one << (KEY_BITS - 1 - bit))
                 at_or_above = zero
-                for start in range(0, width, BLOCK):
-                    keys, _ = _load_keys(Values, row_offset, start + offs, width, KEY_BITS)
+                for start in range(0, length, BLOCK):
+                    keys, _ = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
                     at_or_above += tl.sum((keys >= probe).to(tl.int32), axis=0)
                 kth = tl.where(at_or_above >= k, probe, kth)
             above = zero
-            for start in range(0, width, BLOCK):
-                keys, _ = _load_keys(Values, row_offset, start + offs, width, KEY_BITS)
+            for start in range(0, length, BLOCK):
+                keys, _ = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
                 above += tl.sum((keys > kth).to(tl.int32), axis=0)
             taken, ties = zero, zero
-            for start in range(0, width, BLOCK):
-                keys, in_row = _load_keys(Values, row_offset, start + offs, width, KEY_BITS)
+            for start in range(0, length, BLOCK):
+                keys, in_row = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
                 taken, ties = _write_chosen(
                     Out, out_offset, pad, keys, start + offs, in_row, kth, k - above, taken, ties
                 )
 
 
-def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+def top_k_positions(
+    values: torch.Tensor, k: torch.Tensor, max_k: int, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
     """See :func:`attention.reference.top_k_positions`."""
     *lead, width = values.shape
     values = values.contiguous()  # no op when it is: rows ``width`` apart
     rows = values.numel() // max(width, 1)
-    # k broadcast over the leading dimensions: a vector over the last one (or all of them) is read as it is.
-    counts = k if k.dim() <= 1 else k.expand(lead).reshape(-1)
     out = torch.empty(*lead, max_k, dtype=torch.int32, device=values.device)
     if rows == 0 or max_k == 0:
         return out
@@ -164,20 +172,33 @@ def top_k_positions(values: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.
         # Thousands of picks a row (a drained batch's drafts read most of their contexts): few rows, which the
         # reference's handful of ops serve, where a block for twice the picks compiled a kernel variant per power
         # of two (4-7 s each, mid-run on W1).
-        return reference.top_k_positions(values, k, max_k)
+        return reference.top_k_positions(values, k, max_k, lengths)
     block = BLOCK  # lanes: at least twice the picks, a tight bound from their maxima
     fits = width <= block
     cap = block // 4 if CANDIDATES * max_k <= block // 4 else block  # room for the candidates, in two sizes
     gathered = torch.empty(0 if fits else rows * cap, dtype=torch.int32, device=values.device)
+    # k broadcast over the leading dimensions is read in place where it can be: a vector over the last one (or
+    # all of them), or one k for each row of the others (``[..., 1]``: one per request over its KV heads); lengths
+    # take k's layout.
+    k_group, counts = 1, k
+    if k.dim() == len(lead) > 1 and k.shape[-1] == 1 and k.shape[:-1] == tuple(lead[:-1]):
+        k_group, counts = lead[-1], k.reshape(-1)
+        lengths = None if lengths is None else lengths.expand_as(k).reshape(-1)
+    elif k.dim() > 1 or lengths is not None:
+        counts = k.expand(lead).reshape(-1)
+        lengths = None if lengths is None else lengths.expand(lead).reshape(-1)
     _top_k_kernel[(rows,)](
         values,
         counts,
+        counts if lengths is None else lengths,
         out,
         gathered,
+        k_group,
         counts.numel(),
         counts.stride(0) if counts.dim() else 0,
         width,
         max_k,
+        HAS_LENGTHS=lengths is not None,
         KEY_BITS=8 * values.element_size(),
         BLOCK=block,
         FITS=fits,

@@ -15,6 +15,7 @@ import triton.language as tl
 from attention.reference import LOG2E, SKETCH_LEVELS
 
 BLOCK_S = 64  # sketched keys a program scores per iteration
+LIST_BLOCK = 128  # list entries a program writes per iteration
 MIN_DOT = 16  # the smallest dimension tl.dot takes
 
 
@@ -62,14 +63,16 @@ def store_key_sketch(k_cache: torch.Tensor, slots: torch.Tensor, codes: torch.Te
 
 @triton.jit
 def _block_logits(
-    Q, Codes, Scales, Slots, request, head, start, length, scale_log2, stride_qn, stride_qh, stride_qg, stride_cs,
-    stride_ch, stride_ss, stride_sh, stride_pn, stride_ph, group,
+    Q, Codes, Scales, Table, Listed, request, head, table_row, prefix, total, listed_from, start, scale_log2, stride_qn,
+    stride_qh,
+    stride_qg, stride_cs, stride_ch, stride_ss, stride_sh, stride_tr, stride_lr, stride_lh, group,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The group's scaled logits (base 2) against ``BLOCK_S`` sketched keys of a row from ``start`` (-inf at
-    padding), even and odd channels as two dots (codes unpacked, never dequantised) times each key's scale; and
-    those entries' slots."""
+    """The group's scaled logits (base 2) against the sketched keys of ``BLOCK_S`` candidates of a row from
+    ``start`` (-inf at padding), even and odd channels as two dots (codes unpacked, never dequantised) times each
+    key's scale; and those candidates' slots (-1: padding). Candidates: positions 0 .. ``prefix`` - 1, then the
+    listed positions of its slot-table row from ``listed_from`` on, ``total`` in all, at their slots in that row."""
     entries = start + tl.arange(0, BLOCK_S)
     heads = tl.arange(0, BLOCK_G)
     pairs = tl.arange(0, BLOCK_HALF)
@@ -78,7 +81,12 @@ def _block_logits(
     q_mask = (heads < group)[:, None] & pair_valid[None, :]
     q_even = tl.load(q, mask=q_mask, other=0.0).to(tl.float32)
     q_odd = tl.load(q + 1, mask=q_mask, other=0.0).to(tl.float32)
-    slots = tl.load(Slots + request * stride_pn + head * stride_ph + entries, mask=entries < length, other=-1)
+    in_row = entries < total
+    listed = in_row & (entries >= prefix)
+    at = listed_from + entries - prefix
+    from_list = tl.load(Listed + table_row * stride_lr + head * stride_lh + at, mask=listed, other=-1)
+    positions = tl.where(listed, from_list, tl.where(in_row, entries, -1))
+    slots = tl.load(Table + table_row * stride_tr + tl.maximum(positions, 0), mask=positions >= 0, other=-1)
     valid = slots >= 0
     at = tl.maximum(slots, 0).to(tl.int64)
     packed = tl.load(
@@ -92,61 +100,168 @@ def _block_logits(
     return tl.where(valid[None, :], dots * (key_scale * scale_log2)[None, :], float("-inf")), slots
 
 
-@triton.jit
+# Widths that grow over a generation (the slot table's, a shortlist's, a step's candidates): one variant of a kernel.
+_MASS_WIDTHS = ["stride_tr", "stride_lr", "stride_lh", "stride_on", "stride_oh", "listed_width"]
+_LIST_WIDTHS = [
+    "stride_pn",
+    "stride_ph",
+    "stride_tr",
+    "stride_lr",
+    "stride_lh",
+    "stride_oh",
+    "most",
+    "listed_width",
+    "width",
+]
+
+
+# Per-request values, read one by one (rows of one transfer or buffer: any alignment).
+_PER_REQUEST = ["Rows", "Prefix", "ListedLengths", "Skip", "Sinks", "RecentStart", "Recent"]
+
+
+@triton.jit(do_not_specialize=_MASS_WIDTHS, do_not_specialize_on_alignment=_PER_REQUEST[:4])
 def _sketch_mass_kernel(
-    Q, Codes, Scales, Slots, Skip, Out, stride_qn, stride_qh, stride_qg, stride_cs, stride_ch, stride_ss, stride_sh,
-    stride_pn, stride_ph, stride_on, stride_oh, num_kv_heads, group, length, scale_log2,
+    Q, Codes, Scales, Table, Rows, Prefix, Listed, ListedLengths, Skip, Out, stride_qn, stride_qh, stride_qg,
+    stride_cs, stride_ch, stride_ss, stride_sh, stride_tr, stride_lr, stride_lh, stride_on, stride_oh, num_kv_heads,
+    group, listed_width, scale_log2,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One (request, KV head) row: each query head's softmax normaliser over the row (one pass, online), then
-    each entry's mass averaged over the group (a second pass over the sketch: it is small, and the logits are
-    never stored)."""
+    """One (request, KV head) row: each query head's softmax normaliser over the row's candidates (one pass,
+    online), then each candidate's mass averaged over the group (a second pass over the sketch: it is small, and
+    the logits are never stored). Entries past the row's candidates are not written."""
     request = tl.program_id(0) // num_kv_heads
     head = tl.program_id(0) % num_kv_heads
-    args = (Q, Codes, Scales, Slots, request, head)
-    strides = (stride_qn, stride_qh, stride_qg, stride_cs, stride_ch, stride_ss, stride_sh, stride_pn, stride_ph)
+    prefix = tl.load(Prefix + request)
+    listed_length = tl.load(ListedLengths + request)
+    total = prefix + listed_length
+    table_row = tl.load(Rows + request).to(tl.int64)
+    args = (Q, Codes, Scales, Table, Listed, request, head, table_row, prefix, total, listed_width - listed_length)
+    strides = (
+        stride_qn, stride_qh, stride_qg, stride_cs, stride_ch, stride_ss, stride_sh, stride_tr, stride_lr, stride_lh
+    )  # fmt: skip
     highest = tl.full((BLOCK_G,), -1.0e30, tl.float32)  # finite: a row of padding only stays NaN-free
-    total = tl.zeros((BLOCK_G,), tl.float32)
-    for start in range(0, length, BLOCK_S):
+    sums = tl.zeros((BLOCK_G,), tl.float32)
+    for start in range(0, total, BLOCK_S):
         logits, _ = _block_logits(
-            *args, start, length, scale_log2, *strides, group, HALF, BLOCK_HALF, BLOCK_G, BLOCK_S, DOT_PRECISION
+            *args, start, scale_log2, *strides, group, HALF, BLOCK_HALF, BLOCK_G, BLOCK_S, DOT_PRECISION
         )
         new_highest = tl.maximum(highest, tl.max(logits, axis=1))
-        total = total * tl.exp2(highest - new_highest) + tl.sum(tl.exp2(logits - new_highest[:, None]), axis=1)
+        sums = sums * tl.exp2(highest - new_highest) + tl.sum(tl.exp2(logits - new_highest[:, None]), axis=1)
         highest = new_highest
     heads_valid = tl.arange(0, BLOCK_G) < group
-    weight = tl.where(heads_valid & (total > 0), 1.0 / (tl.maximum(total, 1e-30) * group), 0.0)
+    weight = tl.where(heads_valid & (sums > 0), 1.0 / (tl.maximum(sums, 1e-30) * group), 0.0)
     skip = tl.load(Skip + request)
-    for start in range(0, length, BLOCK_S):
+    for start in range(0, total, BLOCK_S):
         logits, slots = _block_logits(
-            *args, start, length, scale_log2, *strides, group, HALF, BLOCK_HALF, BLOCK_G, BLOCK_S, DOT_PRECISION
+            *args, start, scale_log2, *strides, group, HALF, BLOCK_HALF, BLOCK_G, BLOCK_S, DOT_PRECISION
         )
         mass = tl.sum(tl.exp2(logits - highest[:, None]) * weight[:, None], axis=0)
         entries = start + tl.arange(0, BLOCK_S)
         never = (slots < 0) | (entries < skip)
         tl.store(
-            Out + request * stride_on + head * stride_oh + entries, tl.where(never, -1.0, mass), mask=entries < length
+            Out + request * stride_on + head * stride_oh + entries, tl.where(never, -1.0, mass), mask=entries < total
         )
 
 
 def sketch_mass(
-    query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, scale: float,
-    skip: torch.Tensor,
+    query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+    prefix: torch.Tensor, listed: torch.Tensor, listed_lengths: torch.Tensor, scale: float, skip: torch.Tensor,
+    width: int,
 ) -> torch.Tensor:  # fmt: skip
     """See :func:`attention.reference.sketch_mass`. Codes are exact in any float type, so the dots round only the
     queries: fp32 queries keep fp32 products (``ieee``), others take tf32."""
-    query, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, slots))
+    query, listed = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, listed))
     num, num_kv_heads, group, _ = query.shape
-    length, half = slots.shape[-1], codes.shape[2]
-    out = torch.empty(num, num_kv_heads, length, dtype=torch.float32, device=query.device)
+    half = codes.shape[2]
+    out = torch.empty(num, num_kv_heads, width, dtype=torch.float32, device=query.device)
     if out.numel() == 0:
         return out
     _sketch_mass_kernel[(num * num_kv_heads,)](
-        query, codes, scales, slots, skip, out, query.stride(0), query.stride(1), query.stride(2), codes.stride(0),
-        codes.stride(1), scales.stride(0), scales.stride(1), slots.stride(0), slots.stride(1), out.stride(0),
-        out.stride(1), num_kv_heads, group, length, scale * LOG2E, HALF=half,
-        BLOCK_HALF=max(MIN_DOT, triton.next_power_of_2(half)), BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)),
-        BLOCK_S=BLOCK_S, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        query, codes, scales, table, rows, prefix, listed, listed_lengths, skip, out, query.stride(0),
+        query.stride(1), query.stride(2), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
+        table.stride(0), listed.stride(0), listed.stride(1), out.stride(0), out.stride(1), num_kv_heads, group,
+        listed.shape[-1], scale * LOG2E, HALF=half, BLOCK_HALF=max(MIN_DOT, triton.next_power_of_2(half)),
+        BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_S=BLOCK_S,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _pick_positions(
+    Picks, Listed, picks_row, listed_row, index_at, valid, prefix, sinks, listed_from
+):  # fmt: skip
+    """The positions of the picks at ``index_at`` of a row (-1: none, or a sink)."""
+    index = tl.load(Picks + picks_row + index_at, mask=valid, other=-1)
+    listed = valid & (index >= prefix)
+    from_list = tl.load(Listed + listed_row + listed_from + index - prefix, mask=listed, other=-1)
+    positions = tl.where(listed, from_list, index)
+    return tl.where(valid & (index >= sinks), positions, -1)
+
+
+@triton.jit(do_not_specialize=_LIST_WIDTHS, do_not_specialize_on_alignment=[*_PER_REQUEST[:3], *_PER_REQUEST[4:]])
+def _sketch_lists_kernel(
+    Picks, Table, Rows, Prefix, Listed, ListedLengths, Sinks, RecentStart, Recent, Out, Ends, stride_pn, stride_ph,
+    stride_tr, stride_lr, stride_lh, stride_oh, num_kv_heads, most, listed_width, width,
+    SPAN: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One (request, KV head) list: sinks, recent positions, then each pick and its successors (see
+    ``attention.reference.sketch_lists``), as slots; the request's end, from its first head."""
+    request = tl.program_id(0) // num_kv_heads
+    head = tl.program_id(0) % num_kv_heads
+    table_row = tl.load(Rows + request).to(tl.int64)
+    prefix = tl.load(Prefix + request)
+    sinks = tl.load(Sinks + request)
+    recent_start = tl.load(RecentStart + request)
+    recent = tl.load(Recent + request)
+    listed_from = listed_width - tl.load(ListedLengths + request)
+    picks_row = request.to(tl.int64) * stride_pn + head * stride_ph
+    listed_row = table_row * stride_lr + head * stride_lh
+    offs = tl.arange(0, BLOCK)
+    count = tl.zeros([], tl.int32)
+    for start in range(0, most, BLOCK):
+        index = tl.load(Picks + picks_row + start + offs, mask=start + offs < most, other=-1)
+        count += tl.sum((index >= 0).to(tl.int32), axis=0)
+    end = sinks + recent + count * SPAN
+    first_pick = most - count
+    out_row = Out + head * stride_oh + request.to(tl.int64) * width
+    for start in range(0, width, BLOCK):
+        entry = start + offs
+        in_picks = entry - sinks - recent
+        pick = in_picks // SPAN
+        step = in_picks - pick * SPAN
+        has_pick = (in_picks >= 0) & (entry < end)
+        args = (Picks, Listed, picks_row, listed_row)
+        base = _pick_positions(*args, first_pick + pick, has_pick, prefix, sinks, listed_from)
+        following = _pick_positions(*args, first_pick + pick + 1, has_pick & (pick + 1 < count), prefix, sinks,
+                                    listed_from)  # fmt: skip
+        spread = base + step
+        kept = (base >= 0) & (spread < recent_start) & ((following < 0) | (spread < following))
+        positions = tl.where(entry < sinks, entry, tl.where(in_picks < 0, recent_start + entry - sinks, -1))
+        positions = tl.where(has_pick, tl.where(kept, spread, -1), positions)
+        positions = tl.where(entry < end, positions, -1)
+        slots = tl.load(Table + table_row * stride_tr + tl.maximum(positions, 0), mask=positions >= 0, other=-1)
+        tl.store(out_row + entry, slots, mask=entry < width)
+    if head == 0:
+        tl.store(Ends + request, request.to(tl.int64) * width + end)
+
+
+def sketch_lists(
+    picks: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, listed: torch.Tensor,
+    listed_lengths: torch.Tensor, sinks: torch.Tensor, recent_start: torch.Tensor, recent: torch.Tensor, span: int,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """See :func:`attention.reference.sketch_lists`."""
+    num, num_kv_heads, most = picks.shape
+    out = torch.empty(num_kv_heads, num * width, dtype=table.dtype, device=picks.device)
+    ends = torch.empty(num, dtype=torch.int64, device=picks.device)
+    if out.numel() == 0:
+        return out, ends.fill_(0)
+    picks = picks if picks.stride(-1) == 1 else picks.contiguous()
+    _sketch_lists_kernel[(num * num_kv_heads,)](
+        picks, table, rows, prefix, listed, listed_lengths, sinks, recent_start, recent, out, ends, picks.stride(0),
+        picks.stride(1), table.stride(0), listed.stride(0), listed.stride(1), out.stride(0), num_kv_heads, most,
+        listed.shape[-1], width, SPAN=span, BLOCK=LIST_BLOCK,
+    )  # fmt: skip
+    return out, ends

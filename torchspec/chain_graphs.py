@@ -23,17 +23,20 @@ Layout: forward ``j`` (1 .. k-1) feeds ``tokens[j - 1]`` at ``positions[j - 1]``
 A request whose chain ends before forward ``j`` (and every padding request) reads an empty list, writes its
 K/V to the scratch slot and its draft distribution to a spare row of the store; its tokens are never read.
 
-Eligible when no layer has a sliding window or picks its lists inside attention. On a CPU the same static
+Eligible when no layer has a sliding window, and lists are built by the runner or chosen on the device (a policy
+that chooses inside attention on the host is not). On a CPU the same static
 path runs without capture (tested in CI against the per-forward path).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from torchspec.cuda_graphs import SharedStorage, StepGraphs
+from torchspec.draft_lists import DraftChoice, RoundLists
 from torchspec.draft_sampling import DraftSampling
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 
@@ -46,11 +49,10 @@ class ChainInputs:
     first_tokens: torch.Tensor  # [D]: each request's first draft (forward 1's output)
     positions: torch.Tensor  # [L, D]: position fed by forward j + 1 (padding: 0)
     slots: torch.Tensor  # [L, D]: its KV slot (scratch past the request's chain)
-    indptr: torch.Tensor  # [D + 1]: offsets of each request's list into ``lists``
-    ends: torch.Tensor  # [L, D]: where forward j + 1 stops reading each list (its start past the request's chain)
-    lists: torch.Tensor  # [sparse layers, Hkv, N]: the round's lists (``torchspec.draft_lists``)
-    max_list_len: int  # longest list (a launch hint)
     sampling: DraftSampling  # forward j samples with sampling.select
+    # The round's lists (``torchspec.draft_lists``), or what a policy choosing on the device chooses them from.
+    lists: RoundLists | None = None
+    choice: DraftChoice | None = None
 
     @property
     def forwards(self) -> int:
@@ -79,6 +81,7 @@ class _ChainStep:
     ends: torch.Tensor  # [k - 1, D']
     lists: torch.Tensor  # [sparse layers, Hkv, capacity]
     list_hint: int  # longest list the bucket was made for (a launch hint)
+    choice: DraftChoice | None  # [D'] buffers the drafts choose their lists from (its positions: forward 1's)
     tokens: torch.Tensor  # [k, D']
     cu_seqlens_q: torch.Tensor  # [D' + 1]: one query per request (also the kept logits rows)
     store: torch.Tensor  # the draft-probs store the graphs write (a new store means new captures)
@@ -111,9 +114,11 @@ class ChainGraphs:
         count = inputs.first_tokens.shape[0]
         size = next(size for size in self.buckets if size >= count)
         step = self._steps.get(size)
-        entries = inputs.lists.shape[-1]
+        entries = inputs.lists.view.kv_indices.shape[-1] if inputs.lists is not None else 0
         if step is None:
             reason = "new bucket"
+        elif inputs.choice is not None and (step.choice is None or not inputs.choice.held_by(step.choice)):
+            reason = "draft choice outgrew its buffers"
         elif entries > step.lists.shape[-1]:
             reason = "draft lists outgrew its buffer"
         elif step.store is not store:
@@ -122,7 +127,8 @@ class ChainGraphs:
             reason = None
         if reason is not None:
             capacity = max(2 * entries, 2 * step.lists.shape[-1] if step else 0)
-            step = self._steps[size] = self._chain_step(size, capacity, inputs.max_list_len, store)
+            hint = inputs.lists.view.max_len if inputs.lists is not None else 0
+            step = self._steps[size] = self._chain_step(size, capacity, hint, store, inputs.choice)
         layout = inputs.sampling.layout()
         sampler = step.samplers.get(layout)
         if sampler is None:
@@ -140,19 +146,23 @@ class ChainGraphs:
                 sampler.graph.replay()
         return step.tokens[1 : inputs.forwards + 1, :count]
 
-    def _chain_step(self, size: int, capacity: int, hint: int, store: torch.Tensor) -> _ChainStep:
+    def _chain_step(
+        self, size: int, capacity: int, hint: int, store: torch.Tensor, choice: DraftChoice | None
+    ) -> _ChainStep:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
         later = self.k - 1
         heads = max(self.sparse_layers.values())
+        positions = zeros(later, size)
         return _ChainStep(
             size=size,
             forward=torch.ones(1, dtype=torch.int64, device=self.device),
-            positions=zeros(later, size),
+            positions=positions,
             slots=zeros(later, size),
             indptr=zeros(size + 1),
             ends=zeros(later, size),
             lists=self._lists.view((len(self.sparse_layers), heads, capacity), size),
             list_hint=hint,
+            choice=None if choice is None else choice.padded(size, positions[0]),
             tokens=zeros(self.k, size),
             cu_seqlens_q=torch.arange(size + 1, device=self.device),
             store=store,
@@ -168,11 +178,15 @@ class ChainGraphs:
         step.positions[:forwards, :count] = inputs.positions
         step.slots[:forwards].fill_(self.pool.scratch_slot)
         step.slots[:forwards, :count] = inputs.slots
-        step.indptr[: count + 1] = inputs.indptr
-        step.indptr[count + 1 :] = inputs.indptr[-1]  # padding requests' lists: empty, where the real ones end
-        step.ends[:forwards, :count] = inputs.ends
-        step.ends[:forwards, count:] = inputs.indptr[-1]
-        step.lists[..., : inputs.lists.shape[-1]] = inputs.lists
+        if inputs.choice is not None:
+            inputs.choice.copy_into(step.choice)
+        else:
+            indptr, ends = inputs.lists.view.kv_indptr, inputs.lists.ends[1:]
+            step.indptr[: count + 1] = indptr
+            step.indptr[count + 1 :] = indptr[-1]  # padding requests' lists: empty, where the real ones end
+            step.ends[:forwards, :count] = ends
+            step.ends[:forwards, count:] = indptr[-1]
+            step.lists[..., : inputs.lists.view.kv_indices.shape[-1]] = inputs.lists.view.kv_indices
         inputs.sampling.copy_into(sampler.sampling, spare_row)
 
     def _run(self, step: _ChainStep, sampler: _Sampler) -> None:
@@ -180,23 +194,30 @@ class ChainGraphs:
         holds): its rows of the round's buffers are picked on the device, and the counter advanced."""
         forward, tokens = step.forward, step.tokens
         reads = forward - 1  # the row of the round's buffers this forward reads
-        ends = step.ends.index_select(0, reads)[0]
+        positions = step.positions.index_select(0, reads)
+        draft, choice = {}, None
+        if step.choice is not None:
+            choice = dataclasses.replace(step.choice, positions=positions[0])
+        else:
+            ends = step.ends.index_select(0, reads)[0]
+            draft = {
+                layer: KVView(step.indptr, step.lists[i, :heads], step.list_hint, ends)
+                for i, (layer, heads) in enumerate(self.sparse_layers.items())
+            }
         metadata = AttentionMetadata(
             slot_mapping=step.slots.index_select(0, reads)[0],
             cu_seqlens_q=step.cu_seqlens_q,
             windowed={},
             full=KVView(step.cu_seqlens_q[:1], step.cu_seqlens_q[:0], 0),  # no verifies
             num_drafts=step.size,
-            draft={
-                layer: KVView(step.indptr, step.lists[i, :heads], step.list_hint, ends)
-                for i, (layer, heads) in enumerate(self.sparse_layers.items())
-            },
+            draft=draft,
+            draft_choice=choice,
             max_q_len=1,
         )
         with forward_context(PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)):
             output = self.forward(
                 input_ids=tokens.index_select(0, reads),
-                position_ids=step.positions.index_select(0, reads),
+                position_ids=positions,
                 use_cache=False,
                 logits_to_keep=step.cu_seqlens_q[:-1],
             )

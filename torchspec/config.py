@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention import BACKENDS
-from torchspec.key_sketch import KEY_SKETCHES as SKETCHES
 from torchspec.kv_cache import DEFAULT_DEVICE_MEMORY_FRACTION
 
 #: Draft policies (registered in ``torchspec.drafting``); ``None`` decodes without speculation.
@@ -22,8 +21,6 @@ DRAFT_POLICIES: tuple[str, ...] = (
     "pillar_quest",
     "query_sketch",
 )
-#: Key sketches the ``query_sketch`` draft scores a round's positions on.
-KEY_SKETCHES: tuple[str, ...] = tuple(SKETCHES)
 #: The default draft: the best real policy measured on the embedded model (docs/acceptance.md).
 DEFAULT_DRAFT = "pillar_recent"
 
@@ -53,18 +50,11 @@ class SpecConfig:
         successors: PillarAttn also takes the next ``successors`` positions after each Top-K pick, within the
             same budget (copy/induction attention moves forward with the query; 0 = the policy's own: none
             for ``pillar`` and ``query_sketch``, 4 for ``pillar_recent``).
-        key_sketch: what the ``query_sketch`` draft scores every cached key on, once a round, from the round's
-            first draft query (``torchspec.key_sketch``): ``int4``/``int2`` (keys quantised to 4 or 2 bits
-            a channel), ``lowrank16``/``lowrank8`` (projected on the prompt keys' principal directions),
-            ``channels16``/``channels8`` (the prompt keys' strongest rotary channel pairs), ``exact`` (the keys).
-        sketch_refresh: ``query_sketch`` chooses afresh every ``sketch_refresh`` drafts of a round, from the
-            query of the draft that reaches it (0 = once a round, at its first draft): fresher positions for
-            more sketch reads. Default 1: every draft (7.72-7.84 accepted of 8 where once a round gives 6.06,
-            docs/acceptance.md).
-        sketch_shortlist: with ``sketch_refresh`` between 1 and k - 1, a round's later choices rescore only the
-            positions its first draft scored best, ``sketch_shortlist`` times as many as it picks (0 = every older
-            position each time): fewer sketch reads a round. ``None`` = 8 where a round chooses more than once
-            (7.72 accepted for ~1.3x a ``pillar_recent`` round's reads), else 0.
+        sketch_shortlist: ``query_sketch`` chooses every draft's positions from its own query on the int4 key
+            sketch: a round's first draft scores every older position, its later drafts rescore the positions it
+            scored best, ``sketch_shortlist`` times as many as they pick (default 8: 7.72 accepted of 8 for ~1.3x a
+            ``pillar_recent`` round's reads, docs/acceptance.md; 0: every draft scores every older position, 7.84
+            for 1.5-1.8x).
         head_budgets: PillarAttn shares each layer's Top-K picks across its KV heads by one Top-K over all of
             them (most verify mass kept; each head's mass is relative to its own sink) instead of the same number
             per head.
@@ -153,9 +143,7 @@ class SpecConfig:
     num_sinks: int = 4
     recent_window: int = 0
     successors: int = 0
-    key_sketch: str = "int4"
-    sketch_refresh: int = 1
-    sketch_shortlist: int | None = None
+    sketch_shortlist: int = 8
     head_budgets: bool = False
     relearn_rounds: int = 1
     max_batch_size: int = 256
@@ -190,21 +178,9 @@ class SpecConfig:
             self.draft_step_budget is None or (_is_int(self.draft_step_budget) and self.draft_step_budget >= 0),
             f"draft_step_budget must be None or an integer >= 0, got {self.draft_step_budget!r}",
         )
-        _require(
-            self.key_sketch in KEY_SKETCHES, f"key_sketch must be one of {list(KEY_SKETCHES)}, got {self.key_sketch!r}"
-        )
-        for name in ("num_sinks", "recent_window", "successors", "sketch_refresh"):
+        for name in ("num_sinks", "recent_window", "successors", "sketch_shortlist"):
             value = getattr(self, name)
             _require(_is_int(value) and value >= 0, f"{name} must be an integer >= 0, got {value!r}")
-        _require(
-            self.sketch_shortlist is None or (_is_int(self.sketch_shortlist) and self.sketch_shortlist >= 0),
-            f"sketch_shortlist must be None or an integer >= 0, got {self.sketch_shortlist!r}",
-        )
-        _require(
-            not self.sketch_shortlist or 0 < self.sketch_refresh < self.k,
-            f"sketch_shortlist={self.sketch_shortlist} is rescored by a round's later choices: set sketch_refresh "
-            f"between 1 and k - 1 = {self.k - 1} (got {self.sketch_refresh}), or sketch_shortlist=0",
-        )
         _require(
             _is_int(self.relearn_rounds) and self.relearn_rounds >= 1,
             f"relearn_rounds must be an integer >= 1, got {self.relearn_rounds!r}",

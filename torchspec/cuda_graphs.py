@@ -28,6 +28,7 @@ from typing import TypeVar
 import torch
 
 from attention.reference import MASS_DTYPE
+from torchspec.draft_lists import DraftChoice
 from torchspec.hf import (
     AttentionMetadata,
     KVView,
@@ -122,8 +123,8 @@ class StepGraphs:
         self.captures = CaptureLog()
 
     def eligible(self, metadata: AttentionMetadata, prefill: bool) -> bool:
-        """No prefill chunk, no query longer than a verify, nothing chosen inside the forward (query-aware
-        draft selection) and no sliding-window layers."""
+        """No prefill chunk, no query longer than a verify, nothing chosen inside the forward on the host
+        (query-aware draft selection that does not choose on the device) and no sliding-window layers."""
         return (
             not prefill
             and metadata.max_q_len <= self.verify_tokens
@@ -147,11 +148,17 @@ class StepGraphs:
         num_drafts = metadata.num_drafts
         num_verifies = metadata.full.kv_indptr.shape[0] - 1
         key = (self._bucket(num_drafts), self._bucket(num_verifies))
-        draft_count = metadata.draft[self.first_sparse].kv_indices.shape[-1] if num_drafts else 0
+        lists = num_drafts and metadata.draft_choice is None  # the runner built the draft lists
+        draft_count = metadata.draft[self.first_sparse].kv_indices.shape[-1] if lists else 0
         full_count = metadata.full.kv_indices.shape[-1]
         step = self._steps.get(key)
+        choice = metadata.draft_choice
         if step is None:
             reason = "new bucket"
+        elif choice is not None and (
+            step.metadata.draft_choice is None or not choice.held_by(step.metadata.draft_choice)
+        ):
+            reason = "draft choice outgrew its buffers"
         elif draft_count > step.draft_capacity:
             reason = "draft lists outgrew its buffer"
         elif full_count > step.full_capacity or metadata.full.max_len > step.metadata.full.max_len:
@@ -159,13 +166,14 @@ class StepGraphs:
         else:
             reason = None
         if reason is not None:
-            draft_hint = metadata.draft[self.first_sparse].max_len if num_drafts else 0
+            draft_hint = metadata.draft[self.first_sparse].max_len if lists else 0
             step = self._steps[key] = self._static_step(
                 *key,
                 draft_capacity=max(2 * draft_count, 2 * step.draft_capacity if step else 0),
                 full_capacity=max(2 * full_count, key[1] * max_list_len),
                 draft_hint=draft_hint,
                 full_hint=max_list_len,
+                choice=choice,
             )
             step.reason = reason
         self._fill(step, input_ids, position_ids, metadata, rows)
@@ -192,11 +200,17 @@ class StepGraphs:
         full_capacity: int,
         draft_hint: int,
         full_hint: int,
+        choice: DraftChoice | None,
     ) -> _StaticStep:
+        """A bucket's buffers; its drafts choose their lists in the forward from buffers like ``choice`` (None:
+        they read lists the runner built)."""
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
         num_tokens = num_drafts + num_verifies * self.verify_tokens
+        position_ids = zeros(1, num_tokens)
         draft_lists, draft = None, {}
-        if num_drafts:
+        if choice is not None:
+            choice = choice.padded(num_drafts, position_ids[0, :num_drafts])
+        elif num_drafts:
             indptr, ends = zeros(num_drafts + 1), zeros(num_drafts)
             draft_lists = self._draft_lists.view(
                 (len(self.sparse_layers), max(self.sparse_layers.values()), draft_capacity), num_drafts
@@ -218,6 +232,7 @@ class StepGraphs:
             full=KVView(zeros(num_verifies + 1), zeros(full_capacity), full_hint),
             num_drafts=num_drafts,
             draft=draft,
+            draft_choice=choice,
             num_scored_queries=zeros(num_verifies) if scored else None,
             max_q_len=self.verify_tokens if num_verifies else 1,
             max_scored_queries=self.scored_queries,
@@ -228,7 +243,7 @@ class StepGraphs:
             num_drafts=num_drafts,
             num_verifies=num_verifies,
             input_ids=zeros(1, num_tokens),
-            position_ids=zeros(1, num_tokens),
+            position_ids=position_ids,
             rows=zeros(num_tokens),
             metadata=metadata,
             draft_capacity=draft_capacity,
@@ -274,7 +289,9 @@ class StepGraphs:
             step.rows.zero_()
             step.rows[: len(kept)] = to_device(kept, self.device)
             step.kept_rows = kept
-        if drafts:
+        if metadata.draft_choice is not None:
+            metadata.draft_choice.copy_into(static.draft_choice)
+        elif drafts:
             lists, target = metadata.draft[self.first_sparse], static.draft[self.first_sparse]
             _copy_padded(target.kv_indptr, lists.kv_indptr)
             # Padding drafts' lists start and end where the real ones end.

@@ -10,7 +10,8 @@ k = 8, 30 layers x 3 KV heads) that built, looked up and copied ~42M entries a r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -123,6 +124,67 @@ class DraftKeys:
     def up_to(self, j: int, position: int) -> torch.Tensor:
         """Keys ``[position + 1, Hkv, D]`` of request ``j`` at positions 0 .. ``position``."""
         return self.k_cache[self.table.slots[self.rows[j], : position + 1]]
+
+
+@dataclass
+class DraftChoice:
+    """A draft forward's requests as a policy that chooses on the device reads them (``DraftPolicy.choose_lists``),
+    every value on the device (fixed addresses in a CUDA graph), so that choosing needs nothing from the host:
+    request ``j`` at slot-table row ``rows[j]`` drafts at ``positions[j]``, reads every position from
+    ``recent_start[j]`` on, makes its round's first choice where ``first[j]``, and may read at least ``floor[j]``
+    positions (``min_budget``, the step's share). ``widths`` bound the step's lists (host ints: a graph's shapes)."""
+
+    table: torch.Tensor  # SlotTable.slots [rows, positions]
+    rows: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+    recent_start: torch.Tensor  # [n]
+    first: torch.Tensor  # [n] bool
+    floor: torch.Tensor  # [n]
+    widths: ChoiceWidths
+    # The policy's choice for one layer: (this, layer, queries, scale, what the forward's layers share) -> the
+    # lists (``DraftPolicy.choose_lists``).
+    choose: Callable[[DraftChoice, int, torch.Tensor, float, dict], KVView]
+    state: tuple[torch.Tensor, ...]  # what the choice reads and writes besides the table (a graph holds them)
+
+    def lists(self, layer: int, queries: torch.Tensor, scale: float, shared: dict) -> KVView:
+        return self.choose(self, layer, queries, scale, shared)
+
+    def padded(self, size: int, positions: torch.Tensor) -> DraftChoice:
+        """Fixed-address buffers for ``size`` requests (a graph's), reading ``positions``: padding requests
+        choose nothing afresh (their lists are never read)."""
+        zeros = torch.zeros(size, dtype=torch.int64, device=self.rows.device)
+        first = torch.zeros(size, dtype=torch.bool, device=self.rows.device)
+        return dataclasses.replace(
+            self, rows=zeros, positions=positions, recent_start=zeros.clone(), first=first, floor=zeros.clone()
+        )
+
+    def copy_into(self, target: DraftChoice) -> None:
+        """This forward's requests into the first rows of ``target``'s buffers (the rest: padding)."""
+        count = self.rows.shape[0]
+        for name in ("rows", "recent_start", "first", "floor"):
+            buffer = getattr(target, name)
+            buffer[:count] = getattr(self, name)
+            buffer[count:] = 0
+
+    def held_by(self, target: DraftChoice) -> bool:
+        """Whether ``target`` (a graph's buffers) reads the same table and state, at widths that hold this one's."""
+        same = target.table is self.table and all(a is b for a, b in zip(self.state, target.state, strict=True))
+        return same and self.widths.fit_in(target.widths)
+
+
+class ChoiceWidths(NamedTuple):
+    """Bounds on a step's query-aware lists, known on the host: older positions a request may score (candidates),
+    picks it may make (picks), recent positions it reads (recent), and whether some request makes its round's
+    first choice (which keeps a shortlist). A graph keeps the widths it was captured with while a step's fit in
+    them."""
+
+    candidates: int
+    picks: int
+    recent: int
+    any_first: bool
+
+    def fit_in(self, other: ChoiceWidths) -> bool:
+        return all(mine <= theirs for mine, theirs in zip(self, other, strict=True))
 
 
 class DraftForward(NamedTuple):

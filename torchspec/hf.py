@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,9 @@ from transformers import AttentionInterface
 
 from attention.reference import MASS_DTYPE, FirstLists, rotary_embedding
 from torchspec.kv_cache import KVPool, LayerSpec
+
+if TYPE_CHECKING:
+    from torchspec.draft_lists import DraftChoice
 
 ATTENTION_NAME = "torchspec"
 
@@ -61,6 +64,8 @@ class AttentionMetadata:
     draft_lists: torch.Tensor | None = None
     # Query-aware drafts pick their lists inside attention: (layer, draft queries, K cache, scale) -> lists.
     draft_select: Callable[[int, torch.Tensor, torch.Tensor, float], KVView] | None = None
+    # Or chosen by the policy on the device, in the forward (query_sketch): what it reads.
+    draft_choice: DraftChoice | None = None
     num_scored_queries: torch.Tensor | None = None  # [B - num_drafts]; 0 = not scored
     max_q_len: int = 0  # longest query of a request (a launch hint, known on the host)
     max_scored_queries: int = 0
@@ -120,6 +125,9 @@ class PagedForwardContext:
     metadata: AttentionMetadata
     pool: KVPool
     ops: ModuleType
+    # What the forward's layers share, computed at the first that needs it (a forward run of a graph's capture
+    # makes its own: a new context each run).
+    shared: dict[str, Any] = field(default_factory=dict)
 
     def attend(self, module, query, key, value, attention_mask, scaling, sliding_window, extra_kwargs, rotary=None):
         # One opaque op per layer: a compiled forward never traces (or guards on) this step's metadata.
@@ -166,11 +174,12 @@ class PagedForwardContext:
         drafts, first_lists = meta.num_drafts, None
         if drafts:
             # Draft requests (one token each) read their sparse lists in the same launch as the others.
-            view = (
-                meta.draft[layer]
-                if meta.draft_select is None
-                else meta.draft_select(layer, query[:drafts], k_cache, scaling)
-            )
+            if meta.draft_choice is not None:
+                view = meta.draft_choice.lists(layer, query[:drafts], scaling, self.shared)
+            elif meta.draft_select is not None:
+                view = meta.draft_select(layer, query[:drafts], k_cache, scaling)
+            else:
+                view = meta.draft[layer]
             first_lists = FirstLists(drafts, view.kv_indptr, view.kv_indices, 1, view.max_len, view.kv_ends)
         scored = meta.num_scored_queries is not None
         return ops.paged_attention(

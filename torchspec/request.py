@@ -91,6 +91,7 @@ class DraftRound:
     # Per sparse layer: what a query-aware policy chose at the round's first draft step, reused by the round's
     # later drafts (PillarQuest's older positions); a new round starts with none.
     selections: dict[int, Any] = field(default_factory=dict)
+    chose: bool = False  # a policy choosing on the device made the round's first choice (query_sketch)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 from attention.reference import MAX_SCORED_ROWS
 from torchspec.chain_graphs import ChainGraphs, ChainInputs
 from torchspec.cuda_graphs import StepGraphs
-from torchspec.draft_lists import DraftForward, DraftKeys, RoundLists, build_lists, offsets
+from torchspec.draft_lists import DraftChoice, DraftForward, DraftKeys, RoundLists, build_lists, offsets
 from torchspec.draft_probs import DraftProbsStore
 from torchspec.draft_sampling import DraftSampling
 from torchspec.drafting import DraftPolicy
@@ -62,6 +62,7 @@ class Runner:
         self.generator = generator
         self.num_draft_slots = policy.config.k if policy is not None else 0
         self.list_bound = 0  # the most tokens a request of the current generation may hold (graph list bounds)
+        self._choice_bounds = (0, 0)  # longest request and most recent positions a draft chose for (only grow)
         self.windows = sorted({layer.sliding_window for layer in layers if layer.sliding_window is not None})
         self.num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
         # The attention scores a request's queries in one tile of (query, GQA head) rows.
@@ -92,7 +93,7 @@ class Runner:
             cuda_graphs
             and policy is not None
             and policy.sparse_layers
-            and not policy.selects_in_attention
+            and (not policy.selects_in_attention or policy.chooses_on_device)
             and not self.windows
             and (generator is None or device.type != "cuda")
         ):
@@ -163,6 +164,7 @@ class Runner:
             draft=draft,
             draft_lists=draft_lists,
             draft_select=self._draft_selector(plan.scheduled[:num_drafts]),
+            draft_choice=self._draft_choice(plan.scheduled[:num_drafts], position_ids[:num_drafts]),
             num_scored_queries=None if not any(scored) else self._tensor(scored),
             max_q_len=int(lengths.max()),
             max_scored_queries=max(scored, default=0),
@@ -253,7 +255,7 @@ class Runner:
     def _draft_selector(self, items: Sequence[ScheduledRequest]):
         """For query-aware policies: each layer's lists of the draft requests, chosen by the policy from the
         layer's own draft queries."""
-        if not items or not self.policy.selects_in_attention:
+        if not items or not self.policy.selects_in_attention or self.policy.chooses_on_device:
             return None
         requests = [item.request for item in items]
         rows = np.fromiter((self.table.row(request) for request in requests), np.int64, len(items))
@@ -267,6 +269,38 @@ class Runner:
             return build_lists(self.table, (self.num_kv_heads[layer],), rows, firsts, fixed, recent_from)[0]
 
         return select
+
+    def _draft_choice(self, items: Sequence[ScheduledRequest], positions: torch.Tensor) -> DraftChoice | None:
+        """For policies that choose on the device: what the draft requests ``items`` (at ``positions``, on the
+        device) choose from. Its widths only grow over a generation (a graph captured once keeps serving)."""
+        if not items or not self.policy.chooses_on_device:
+            return None
+        requests = [item.request for item in items]
+        rows = [self.table.row(request) for request in requests]
+        recent_start = [request.round.recent_start for request in requests]
+        longest = max(request.max_total_tokens for request in requests) + self.num_draft_slots
+        recent = max(item.first_position + 1 - start for item, start in zip(items, recent_start, strict=True))
+        self._choice_bounds = (max(self._choice_bounds[0], longest), max(self._choice_bounds[1], recent))
+        first = self.policy.first_choices(requests)
+        widths = self.policy.widths(*self._choice_bounds, any(first))
+        state = self.policy.prepare(self.table.slots.shape[0], widths, self.device)
+        floor = [max(self.policy.config.min_budget, self.policy.step_share)] * len(items)
+        sent = self._tensor([rows, recent_start, first, floor])
+        return DraftChoice(
+            table=self.table.slots,
+            rows=sent[0],
+            positions=positions,
+            recent_start=sent[1],
+            first=sent[2] != 0,
+            floor=sent[3],
+            widths=widths,
+            choose=self._choose,
+            state=state,
+        )
+
+    def _choose(self, choice: DraftChoice, layer: int, queries: torch.Tensor, scale: float, shared: dict) -> KVView:
+        codes, scales = self.pool.codes[layer], self.pool.scales[layer]
+        return self.policy.choose_lists(choice, layer, queries, codes, scales, scale, shared)
 
     @torch.inference_mode()
     def move_kv(self, plan: StepPlan) -> None:
@@ -471,7 +505,7 @@ class Runner:
         layout = torch.stack([entry_positions_t, self.table.slots[sent[1], entry_positions_t]])  # positions, slots
         # Sampled once per forward from the round's columns: the chain graph's ops, or the same ops per forward.
         if self._chain_graph_runs(draft_rows):
-            inputs = self._chain_inputs(counts, first, layout, lists, sampling)
+            inputs = self._chain_inputs(drafts, counts, first, layout, lists, sampling)
             span = _Span(self.device)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
             span.stop()
@@ -495,30 +529,33 @@ class Runner:
 
     def _chain_inputs(
         self,
+        drafts: Sequence[ScheduledRequest],
         counts: Sequence[int],
         first: torch.Tensor,
         layout: torch.Tensor,
-        lists: RoundLists,
+        lists: RoundLists | None,
         sampling: DraftSampling,
     ) -> ChainInputs:
-        """The round's chain inputs (see ``ChainInputs``) for its draft requests; the positions and slots are the
-        chain ``layout`` (``[2, forwards' requests]``, already on the device) spread into one row per later
-        forward."""
+        """The round's chain inputs (see ``ChainInputs``) for its draft requests ``drafts``; the positions and slots
+        are the chain ``layout`` (``[2, forwards' requests]``, already on the device) spread into one row per later
+        forward. Without ``lists`` the policy chooses on the device, for positions up to each chain's last."""
         count, later = first.shape[0], len(counts)
         # Each layout entry's place in the [later, count] grid.
         targets = self._tensor([j * count + i for j, active in enumerate(counts) for i in range(active)])
         grid = layout.new_zeros(2, later * count)  # padding: position 0, the scratch slot
         grid[1] = self.pool.scratch_slot
         grid[:, targets] = layout
+        choice = None
+        if lists is None:
+            last = [item.advanced(item.chain - 1) for item in drafts]
+            choice = self._draft_choice(last, grid[0, :count])
         return ChainInputs(
             first_tokens=first,
             positions=grid[0].view(later, count),
             slots=grid[1].view(later, count),
-            indptr=lists.view.kv_indptr,
-            ends=lists.ends[1:],
-            lists=lists.view.kv_indices,
-            max_list_len=lists.view.max_len,
             sampling=sampling,
+            lists=lists,
+            choice=choice,
         )
 
     def _chain_metadata(
@@ -559,6 +596,7 @@ class Runner:
                 draft=draft,
                 draft_lists=draft_lists,
                 draft_select=self._draft_selector(items),
+                draft_choice=self._draft_choice(items, layout[0, start:end]),
                 max_q_len=1,
             )
             yield count, layout[0, None, start:end], metadata

@@ -80,3 +80,23 @@ def test_reference_is_the_definition(dtype):
     values = _rows(dtype, 60)
     k = torch.tensor([12, 3, 12, 7, 0, 60])
     assert torch.equal(reference.top_k_positions(values, k, 12), _by_definition(values, k, 12))
+
+
+@pytest.mark.parametrize("width", [300, 3000])
+def test_lengths_bound_what_each_row_reads(width):
+    """With ``lengths``, a row's entries from its length on are neither read (NaN there changes nothing) nor
+    picked: the picks of the row cut to its length, k clamped to it; lengths broadcast over heads as k is."""
+    values = _rows(torch.float32, width).view(2, 3, width)
+    k = torch.tensor([[40], [25]])
+    lengths = torch.tensor([[width // 2], [30]])
+    garbage = values.clone()
+    for row, length in enumerate(lengths.flatten().tolist()):
+        garbage[row, :, length:] = float("nan")
+    expected = reference.top_k_positions(values, k, 40, lengths)
+    for row, length in enumerate(lengths.flatten().tolist()):
+        cut = reference.top_k_positions(values[row, :, :length], k[row], 40)
+        assert torch.equal(expected[row], cut)
+    actual = select_kernels.top_k_positions(garbage.to(DEVICE), k.to(DEVICE), 40, lengths.to(DEVICE))
+    assert torch.equal(actual.cpu(), expected)
+    wide = select_kernels.top_k_positions(garbage.to(DEVICE), k.to(DEVICE) * 20, 800, lengths.to(DEVICE))
+    assert torch.equal(wide.cpu(), reference.top_k_positions(values, k * 20, 800, lengths))

@@ -65,13 +65,14 @@ def test_default_captures_on_cuda_only_with_a_capturable_backend():
         use_cuda_graphs(True, cuda, attention.reference)
 
 
-@pytest.mark.parametrize("draft", [None, "pillar_recent", "streaming"])
+@pytest.mark.parametrize("draft", [None, "pillar_recent", "streaming", "query_sketch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
     """Greedy generation with the static path equals plain dynamic decoding token for token, for plain
-    decoding and sparse drafts: 3 decoding requests pad to a bucket of 4 (padding writes the scratch slot,
-    reads nothing), and speculative steps mixing drafts and verifies (PillarAttn's verify scores included)
-    really ran through the buckets, their verify mass in one storage that the buckets share.
+    decoding and sparse drafts (query_sketch's chosen in the forward, on the device): 3 decoding requests pad to a
+    bucket of 4 (padding writes the scratch slot, reads nothing), and speculative steps mixing drafts and verifies
+    (PillarAttn's verify scores included) really ran through the buckets, their verify mass in one storage that
+    the buckets share.
 
     Protects the padding and buffer refresh of cuda_graphs.py: a stale slot list or query offset, a padding
     request that reads or writes a real slot, a verify score read at the wrong entry, or a wrong row of
@@ -163,7 +164,7 @@ def test_a_chain_graph_capture_leaves_the_round_as_it_found_it(monkeypatch, samp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
-@pytest.mark.parametrize("draft", [None, "pillar_recent"])
+@pytest.mark.parametrize("draft", [None, "pillar_recent", "query_sketch"])
 def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft, penalty):
     """On the GPU the buckets are captured as CUDA graphs and replayed: fp32 greedy tokens equal the eager
     dynamic path's, with a repetition penalty too."""
@@ -185,7 +186,10 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(draft, penalty):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("penalised", [False, True], ids=["plain", "penalty-min_p"])
-@pytest.mark.parametrize(("draft", "delayed_verify"), [(None, None), ("pillar_recent", False), ("pillar_recent", True)])
+@pytest.mark.parametrize(
+    ("draft", "delayed_verify"),
+    [(None, None), ("pillar_recent", False), ("pillar_recent", True), ("query_sketch", True)],
+)
 def test_steady_steps_synchronise_at_most_once(draft, delayed_verify, penalised):
     """Once its buckets are captured, a decoding step waits for the GPU at most once: its read-back. Planning,
     launching and committing never copy from pageable memory, read a device value (``.item()``, ``.tolist()``)
@@ -239,11 +243,13 @@ def _specialization(function, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts launches in Triton's CPU interpreter")
-def test_a_shrinking_batch_compiles_each_kernel_once(monkeypatch):
+@pytest.mark.parametrize("draft", ["pillar_recent", "query_sketch"])
+def test_a_shrinking_batch_compiles_each_kernel_once(monkeypatch, draft):
     """Sampled speculation (its chains in the chain graph) while a batch drains through its buckets: every
     launch of a kernel with the same constexprs has one specialization key, so a GPU compiles it once. W1 on an H200
     compiled the attention kernel again mid-run (1-4 s each) because a chain graph's per-forward list
-    offsets are rows of one ``[forwards, D' + 1]`` buffer, 16-byte aligned on every other forward."""
+    offsets are rows of one ``[forwards, D' + 1]`` buffer, 16-byte aligned on every other forward. query_sketch's
+    kernels (scoring, Top-K, lists) read widths that grow over the generation: one variant each too."""
     keys: dict[tuple, set[tuple]] = {}
     launch = triton_interpreter.InterpretedFunction.run
 
@@ -254,9 +260,7 @@ def test_a_shrinking_batch_compiles_each_kernel_once(monkeypatch):
 
     monkeypatch.setattr(triton_interpreter.InterpretedFunction, "run", recorded)
     spec = tiny_spec("llama", 2)
-    engine = sparsespec.wrap(
-        spec.build(), draft="pillar_recent", cuda_graphs=True, attention_backend="triton", **OPTIONS
-    ).engine
+    engine = sparsespec.wrap(spec.build(), draft=draft, cuda_graphs=True, attention_backend="triton", **OPTIONS).engine
     generator = torch.Generator().manual_seed(5)
     requests = []
     for index, new_tokens in enumerate((3, 6, 9, 12)):  # finishing one after another
@@ -267,6 +271,8 @@ def test_a_shrinking_batch_compiles_each_kernel_once(monkeypatch):
         pass
     assert [request.num_output_tokens for request in requests] == [3, 6, 9, 12]
     assert any(constexprs[0] == "_attention_kernel" for constexprs in keys)
+    if draft == "query_sketch":
+        assert {"_sketch_mass_kernel", "_sketch_lists_kernel"} <= {constexprs[0] for constexprs in keys}
     varying = {  # kernel -> the arguments whose specialization differs between its launches
         constexprs[0]: sorted(
             {entry[0] for key in found for entry in key if sum(entry in k for k in found) < len(found)}

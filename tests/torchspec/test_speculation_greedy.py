@@ -11,7 +11,6 @@ tests check that rounds happened, so none passes vacuously, and that no KV slot 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import unittest.mock
 from collections.abc import Callable, Collection, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from attention import reference
 from tests.torchspec.conftest import (
     FIRST_PROMPT_TOKEN,
     PAD_TOKEN_ID,
@@ -30,18 +30,16 @@ from tests.torchspec.conftest import (
     generated_rows,
     tiny_spec,
 )
-from torchspec import SpecConfig, config, sparsespec
+from torchspec import SpecConfig, sparsespec
 from torchspec.config import DRAFT_POLICIES
-from torchspec.draft_lists import DraftForward, DraftKeys
+from torchspec.draft_lists import DraftChoice, DraftForward
 from torchspec.drafting import POLICIES, pillar
 from torchspec.drafting.pillar import PillarPolicy
 from torchspec.drafting.pillar_quest import PillarQuestPolicy
-from torchspec.key_sketch import KEY_SKETCHES, KeySketch
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request, SamplingParams
 from torchspec.runner import LaunchedStep
 from torchspec.scheduler import Phase, StepResult
-from torchspec.slot_table import SlotTable
 from torchspec.workloads import chat_token_ids, read_prompts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -179,7 +177,12 @@ class Recorder:
         monkeypatch.setattr(runner, "collect", spy_collect)
         if policy is None or policy.proposes_tokens:
             return recorder
-        name = "select_for_drafts" if policy.selects_in_attention else "draft_positions"
+        if policy.chooses_on_device:
+            name = "choose_lists"
+        elif policy.selects_in_attention:
+            name = "select_for_drafts"
+        else:
+            name = "draft_positions"
         positions_of = getattr(policy, name)
 
         def record(request: Request, position: int, chosen: tuple[torch.Tensor, int]) -> None:
@@ -204,7 +207,17 @@ class Recorder:
                 record(request, position, (chosen, int(first_recent)))
             return fixed, recent_from
 
-        spy = spy_selections if policy.selects_in_attention else spy_positions
+        def spy_choice(choice: DraftChoice, layer: int, *args: Any) -> Any:
+            view = positions_of(choice, layer, *args)
+            if layer == policy.sparse_layers[0]:  # each draft once: its lists' positions (slots mapped back)
+                for j, (row, position) in enumerate(zip(choice.rows.tolist(), choice.positions.tolist(), strict=True)):
+                    slots = view.kv_indices[:, int(view.kv_indptr[j]) : int(view.kv_ends[j])]
+                    at = (slots[..., None] == choice.table[row, : position + 1]).int().argmax(dim=-1)
+                    attended = torch.where(slots >= 0, at, -1).sort(dim=-1).values  # in position order
+                    record(runner.table._holders[row], position, (attended, position + 1))
+            return view
+
+        spy = {"choose_lists": spy_choice, "select_for_drafts": spy_selections}.get(name, spy_positions)
         monkeypatch.setattr(policy, name, spy)
         return recorder
 
@@ -1080,101 +1093,71 @@ def test_pillar_quest_pages_come_from_the_first_draft_query_of_the_round():
     assert torch.equal(select(104, 0, other), expected(104, [range(80, 96)]))
 
 
-# -- Query sketch: a round's positions from its first draft query, scored on a compact key sketch ---------------
-def test_key_sketches_approximate_the_logits_and_are_exact_at_full_width():
-    """``exact`` gives q.k; low-rank and channel sketches as wide as the head (fitted on the same keys) give it
-    too, and int4 nearly (RoPE pairs: a channel sketch keeps channels i and i + D/2 together); every configured
-    name has a sketch, with its bytes a key."""
-    generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(50, 2, 16, generator=generator) * torch.linspace(0.1, 2.0, 16)
-    query = torch.randn(2, 3, 16, generator=generator)
-    exact = torch.einsum("hgd,lhd->hgl", query, keys)
-
-    def logits(sketch: KeySketch, fitted: tuple[torch.Tensor, ...]) -> torch.Tensor:  # a batch of one request
-        return sketch.logits(query[None], keys.transpose(0, 1)[None], tuple(part[None] for part in fitted))[0]
-
-    assert set(KEY_SKETCHES) == set(config.KEY_SKETCHES)
-    assert torch.allclose(logits(KEY_SKETCHES["exact"], ()), exact)
-    for kind in ("lowrank", "channels"):
-        full = KeySketch(kind, 16)
-        assert torch.allclose(logits(full, full.fit(keys)), exact, atol=1e-4), kind
-    int4 = logits(KEY_SKETCHES["int4"], ())
-    assert torch.corrcoef(torch.stack([int4.flatten(), exact.flatten()]))[0, 1] > 0.98
-    (channels,) = KEY_SKETCHES["channels8"].fit(keys)
-    assert channels.shape == (2, 8) and torch.equal(channels[:, 4:], channels[:, :4] + 8)
-    assert set(channels[0, 4:].tolist()) == {12, 13, 14, 15}  # the strongest pairs: (4..7, 12..15)
-    mean, basis = KEY_SKETCHES["lowrank8"].fit(keys)
-    assert mean.shape == (2, 16) and basis.shape == (2, 16, 8)
-    assert [KEY_SKETCHES[name].bytes_per_key(64) for name in ("exact", "int4", "lowrank16", "channels8")] == [
-        128,
-        36,
-        32,
-        16,
-    ]
+# -- Query sketch: every draft's positions from its own query, scored on the int4 key sketch, on the device -------
+def _sketch_policy(**options: Any) -> Any:
+    spec = SpecConfig(draft="query_sketch", k=4, **({"num_sinks": 0, "recent_window": 1} | options))
+    return POLICIES["query_sketch"](spec, _layer_specs([None, 8, None]))
 
 
-def _sketch_select(
-    policy: Any, request: Request, position: int, layer: int, query: torch.Tensor, keys: torch.Tensor
+def _sketch_choose(
+    policy: Any, request: Request, position: int, first: bool, query: torch.Tensor, keys: torch.Tensor
 ) -> torch.Tensor:
-    """What a query-aware policy's draft at ``position`` of ``request`` attends to, alone in its forward, over
-    ``keys`` ``[positions, Hkv, D]`` held in slots 0, 1, ..."""
-    table = SlotTable(keys.device)
-    table.slots = torch.arange(keys.shape[0])[None]
-    draft_keys = DraftKeys(table, keys, torch.zeros(1, dtype=torch.int64))
-    forward = DraftForward([request], [position], layer, query[None], draft_keys, 0.25)
-    fixed, recent_from = policy.select_for_drafts(forward)
-    return attended_positions((fixed[0], int(recent_from[0])), position)
-
-
-def test_query_sketch_picks_the_first_draft_querys_heaviest_positions_once_a_round():
-    """After a verify, a round's drafts read the sinks, the window before the verify and everything since, and
-    within the rest of the budget the positions of most (exact-sketch) attention mass for the round's first draft
-    query, per layer; the round's later drafts reuse them whatever their query; the next verify starts afresh."""
-    policy = POLICIES["query_sketch"](
-        SpecConfig(
-            draft="query_sketch",
-            k=4,
-            num_sinks=2,
-            recent_window=3,
-            min_budget=24,
-            sparsity=0.01,
-            key_sketch="exact",
-            sketch_refresh=0,
-        ),
-        _layer_specs([None, 8, None]),
+    """The positions a query_sketch draft at ``position`` of ``request`` reads, alone in its forward (query
+    ``[Hkv x G, D]``), over ``keys`` ``[positions, Hkv, D]`` in slots 0, 1, ... of slot-table row 1 (row 0: another
+    request's), one ``[Hkv, n]`` row a head, in list order."""
+    table = torch.stack([torch.full((keys.shape[0],), 7), torch.arange(keys.shape[0])])
+    codes = torch.zeros(keys.shape[0], keys.shape[1], keys.shape[2] // 2, dtype=torch.uint8)
+    scales = torch.zeros(keys.shape[0], keys.shape[1])
+    reference.store_key_sketch(keys, torch.arange(keys.shape[0]), codes, scales)
+    start = request.round.recent_start
+    widths = policy.widths(keys.shape[0], position + 1 - start, first)
+    as_tensor = lambda *values: torch.tensor(values)  # noqa: E731
+    choice = DraftChoice(
+        table=table,
+        rows=as_tensor(1),
+        positions=as_tensor(position),
+        recent_start=as_tensor(start),
+        first=as_tensor(first),
+        floor=as_tensor(policy.config.min_budget),
+        widths=widths,
+        choose=lambda *_: None,
+        state=policy.prepare(2, widths, torch.device("cpu")),
     )
+    view = policy.choose_lists(choice, 0, query[None], codes, scales, 0.25, {})
+    return view.kv_indices[:, : int(view.kv_ends[0])]
+
+
+def test_query_sketch_reads_sinks_recent_positions_and_its_querys_heaviest():
+    """After a verify a draft reads the sinks, the window before the verify and everything since, and within the
+    rest of the budget the positions of most sketched attention mass for its own query, per KV head; the next
+    verify moves the window."""
+    policy = _sketch_policy(num_sinks=2, recent_window=3, min_budget=24, sparsity=0.01, sketch_shortlist=0)
     request = _request(104)
     policy.on_verifies([request], None, [0], [104], [99])  # queries 99..103, the window 96..98
-    assert request.round.recent_start == 96
+    assert request.round.recent_start == 96 and not request.round.chose
     keys = 0.01 * torch.randn(110, 2, 16, generator=torch.Generator().manual_seed(2))
     heavy = {0: [10, 40, 41, 77], 1: [5, 6, 60, 90]}
     for head, positions in heavy.items():
         keys[positions, head, 0] = 5.0
     first, other = torch.zeros(4, 16), torch.zeros(4, 16)
     first[:, 0], other[:, 1] = 10.0, 10.0
-
-    def select(position: int, layer: int, query: torch.Tensor) -> torch.Tensor:
-        return _sketch_select(policy, request, position, layer, query, keys)
-
-    # Budget 24 at 105 positions: 9 recent (96..104), 2 sinks, 13 picks; the 4 heavy positions lead them.
-    chosen = select(104, 0, first)
+    # Budget 24 at 105 positions: 9 recent (96..104), 2 sinks, 13 picks; the 4 heavy positions among them.
+    chosen = _sketch_choose(policy, request, 104, True, first, keys)
     for head, positions in heavy.items():
         row = chosen[head].tolist()
-        assert row[:2] == [0, 1] and row[-9:] == list(range(96, 105)) and len(row) == 24
-        assert set(positions) <= set(row[2:-9]) and row == sorted(row)
-    assert torch.equal(select(105, 0, other)[:, :-10], chosen[:, :-9])  # the next draft reuses the picks
+        assert row[:2] == [0, 1] and row[2:11] == list(range(96, 105)) and len(row) == 24
+        assert set(positions) <= set(row[11:]) and len(set(row)) == 24 and max(row[11:]) < 96
+    later = _sketch_choose(policy, request, 105, False, other, keys)  # every draft scores its own query
+    assert not set(heavy[0]) <= set(later[0].tolist())
     policy.on_verifies([request], None, [0], [109], [105])
-    assert request.round.selections == {} and request.round.recent_start == 102
-    assert not set(heavy[0]) <= set(select(109, 0, other)[0].tolist())  # a new round: the new query's picks
+    assert request.round.recent_start == 102 and not request.round.chose
 
 
-def _sketch_picks(**options: Any) -> Callable[[int, str], set[int]]:
-    """A query_sketch policy (exact keys, 5 picks a draft) over keys where position 10 answers query "first" and
-    20 answers "other" (each the last choice of the other query): its older positions at a draft position."""
-    config = SpecConfig(
-        draft="query_sketch", k=4, num_sinks=0, recent_window=1, min_budget=8, sparsity=0.01, key_sketch="exact"
-    )
-    policy = POLICIES["query_sketch"](dataclasses.replace(config, **options), _layer_specs([None, 8, None]))
+def _sketch_picks(**options: Any) -> Callable[[int, bool, str], set[int]]:
+    """A query_sketch policy (5 picks at position 100) over keys where position 10 answers query "first" and 20
+    answers "other" (each the last choice of the other query): the older positions its draft at a position
+    reads, as the round's first choice or a later one."""
+    policy = _sketch_policy(min_budget=8, sparsity=0.01, **options)
     request = _request(100)
     policy.on_verifies([request], None, [0], [100], [99])
     keys = torch.zeros(110, 2, 16)
@@ -1183,48 +1166,38 @@ def _sketch_picks(**options: Any) -> Callable[[int, str], set[int]]:
     queries = {"first": torch.zeros(4, 16), "other": torch.zeros(4, 16)}
     queries["first"][:, 0], queries["other"][:, 1] = 10.0, 10.0
 
-    def picks(position: int, query: str) -> set[int]:
-        chosen = _sketch_select(policy, request, position, 0, queries[query], keys)
-        return set(chosen[0].tolist()) - set(range(request.round.recent_start, position + 1))
+    def picks(position: int, first: bool, query: str) -> set[int]:
+        chosen = _sketch_choose(policy, request, position, first, queries[query], keys)
+        return set(chosen[0].tolist()) - set(range(request.round.recent_start, position + 1)) - {-1}
 
     return picks
 
 
-def test_query_sketch_refresh_chooses_afresh_every_so_many_drafts():
-    """With ``sketch_refresh=2`` a selection serves its draft and the next; the draft after chooses from its own
-    query (the oracle's freshness at ``sketch_refresh=1``)."""
-    picks = _sketch_picks(sketch_refresh=2, sketch_shortlist=0)
-    assert 10 in picks(100, "first") and 20 not in picks(100, "first")
-    assert picks(101, "other") <= picks(100, "first")  # still the first draft's choice (one pick fewer)
-    assert 20 in picks(102, "other") and 10 not in picks(102, "other")  # chosen afresh from its own query
-
-
-def test_query_sketch_shortlist_rescores_only_the_first_drafts_best():
-    """With ``sketch_shortlist=1`` a round's later choices pick among the first draft's picks only: position 20,
-    the later query's best, was not among them."""
-    picks = _sketch_picks(sketch_refresh=1, sketch_shortlist=1)
-    first = picks(100, "first")
-    assert 10 in first and len(first) == 5
-    later = picks(101, "other")  # one position more since the verify: 4 picks
+def test_query_sketch_shortlist_rescores_only_the_first_choices_best():
+    """With ``sketch_shortlist=1`` a round's later choices pick among its first choice's picks only: position 20,
+    the later query's best, was not among them; a wider shortlist holds it; without one every draft scores all."""
+    picks = _sketch_picks(sketch_shortlist=1)
+    first = picks(100, True, "first")
+    assert 10 in first and 20 not in first and len(first) == 5
+    later = picks(101, False, "other")  # one position more since the verify: 4 picks
     assert len(later) == 4 and later < first and 20 not in later
-    wider = _sketch_picks(sketch_refresh=1, sketch_shortlist=20)  # the shortlist holds every older position
-    wider(100, "first")
-    assert 20 in wider(101, "other")
+    wider = _sketch_picks(sketch_shortlist=20)  # the shortlist holds every older position
+    wider(100, True, "first")
+    assert 20 in wider(101, False, "other")
+    every = _sketch_picks(sketch_shortlist=0)
+    assert 20 in every(101, False, "other") and 10 not in every(101, False, "other")
 
 
-@pytest.mark.parametrize(
-    "sketch, refresh, shortlist", [("int4", 0, 0), ("lowrank8", 0, 0), ("channels8", 0, 0), ("int4", 1, 2)]
-)
-def test_query_sketch_with_room_for_picks_is_lossless(sketch, refresh, shortlist, baseline, monkeypatch):
-    """With a 1-token window and no sinks the budget leaves room for picks: output is draft=None's for each kind
-    of sketch, chosen once a round or for every draft (from a shortlist), and drafts read older positions that
-    are neither sinks nor in the window."""
+@pytest.mark.parametrize(("shortlist", "successors"), [(0, 0), (2, 0), (8, 2)])
+def test_query_sketch_with_room_for_picks_is_lossless(shortlist, successors, baseline, monkeypatch):
+    """With a 1-token window and no sinks the budget leaves room for picks: output is draft=None's whether every
+    draft scores every older position or rescores a shortlist, with successors or not, and drafts read older
+    positions that are neither sinks nor in the window."""
     expected = baseline(GQA, BATCH)
-    options = {"recent_window": 1, "num_sinks": 0, "key_sketch": sketch}
-    options |= {"sketch_refresh": refresh, "sketch_shortlist": shortlist}
+    options = {"recent_window": 1, "num_sinks": 0, "sketch_shortlist": shortlist, "successors": successors}
     wrapped, recorder = _wrap(GQA, monkeypatch, draft="query_sketch", k=4, **options, **MEDIUM)
     actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-    _rows_equal(expected, actual, f"query_sketch {sketch}")
+    _rows_equal(expected, actual, f"query_sketch shortlist {shortlist}")
     check_bookkeeping(wrapped, recorder)
     check_rounds_happened(wrapped, recorder)
     picked = [
@@ -1274,16 +1247,7 @@ BAD_OPTIONS = [
     pytest.param({"draft": 1}, r"unknown draft policy 1", id="draft=1"),
     pytest.param({"draft_chain": "yes"}, r"draft_chain must be None, True or False", id="draft_chain=str"),
     pytest.param({"relearn_rounds": 0}, r"relearn_rounds must be an integer >= 1, got 0", id="relearn_rounds=0"),
-    pytest.param({"sketch_refresh": -1}, r"sketch_refresh must be an integer >= 0, got -1", id="sketch_refresh<0"),
-    pytest.param(
-        {"sketch_shortlist": -2}, r"sketch_shortlist must be None or an integer >= 0, got -2", id="sketch_shortlist<0"
-    ),
-    pytest.param(
-        {"draft": "query_sketch", "sketch_refresh": 0, "sketch_shortlist": 4},
-        r"sketch_shortlist=4 is rescored by a round's later choices: set sketch_refresh between 1 and k - 1 = 7 "
-        r"\(got 0\)",
-        id="shortlist_without_refresh",
-    ),
+    pytest.param({"sketch_shortlist": -2}, r"sketch_shortlist must be an integer >= 0, got -2", id="shortlist<0"),
     pytest.param(
         {"draft_step_budget": -1}, r"draft_step_budget must be None or an integer >= 0, got -1", id="step_budget<0"
     ),

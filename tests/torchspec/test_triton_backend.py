@@ -47,12 +47,15 @@ def test_triton_backend_matches_reference(spec, draft):
     assert torch.equal(expected, actual), f"first differing row: {(expected != actual).any(dim=1).nonzero()}"
 
 
-def test_query_sketch_keeps_and_scores_its_key_sketch_on_the_kernels():
-    """The store kernel writes every new key's sketch (prompt, drafts, verifies) and the drafts score it: same
-    tokens as the reference path, whose sketch is computed by the reference ops."""
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_query_sketch_keeps_and_scores_its_key_sketch_on_the_kernels(cuda_graphs):
+    """The store kernel writes every new key's sketch (prompt, drafts, verifies) and the drafts score it and build
+    their lists on the kernels, in eager forwards and in the graphs' static ones: same tokens as the reference
+    path, whose sketch is computed by the reference ops."""
     options = {"draft": "query_sketch", "k": 4, "min_budget": 6, "sparsity": 0.1, "recent_window": 1, "num_sinks": 0}
     expected = _generate(tiny_spec("llama", 2), attention_backend="reference", **options)
-    wrapped = sparsespec.wrap(tiny_spec("llama", 2).build().to(DEVICE), attention_backend="triton", **options)
+    model = tiny_spec("llama", 2).build().to(DEVICE)
+    wrapped = sparsespec.wrap(model, attention_backend="triton", cuda_graphs=cuda_graphs, **options)
     actual = generate_checking_key_sketches(wrapped, BATCH, max_new_tokens=NEW_TOKENS, do_sample=False).cpu()
     assert torch.equal(expected, actual)
 

@@ -20,7 +20,7 @@ import torch
 from torchspec import sparsespec
 from torchspec.bench.report import plot_acceptance_vs_context
 from torchspec.bench.throughput import context_bins
-from torchspec.config import DRAFT_POLICIES, KEY_SKETCHES
+from torchspec.config import DRAFT_POLICIES
 from torchspec.models import load_model
 from torchspec.workloads import reasoning_prompt_ids
 
@@ -37,25 +37,17 @@ class Variant:
 def default_variants() -> list[Variant]:
     """Every registered policy at its defaults, the paper's PillarAttn with one of pillar_recent's two additions
     at a time (the ablation), pillar_recent with head budgets or learning from every other round, and the query
-    sketch draft (by default every draft among an 8x shortlist) once a round with each key sketch and with
-    successors, every so many drafts, and among shortlists of other sizes."""
+    sketch draft (by default its later drafts rescore an 8x shortlist) with other shortlists and with successors.
+    (Session 19-20's other key sketches and refresh intervals: ``torchspec.bench.acceptance`` at b06bb76.)"""
     variants = [Variant(name, {"draft": name}) for name in DRAFT_POLICIES]
     variants.append(Variant("pillar + recent 64", {"draft": "pillar", "recent_window": 64}))
     variants.append(Variant("pillar + successors 4", {"draft": "pillar", "successors": 4}))
     variants.append(Variant("pillar_recent + head budgets", {"draft": "pillar_recent", "head_budgets": True}))
     variants.append(Variant("pillar_recent + relearn 2", {"draft": "pillar_recent", "relearn_rounds": 2}))
-    once = {"draft": "query_sketch", "sketch_refresh": 0}  # session 19's study: one choice a round
-    variants += [Variant(f"query_sketch {name}", once | {"key_sketch": name}) for name in KEY_SKETCHES]
-    variants.append(Variant("query_sketch + successors 4", once | {"successors": 4}))
-    for name in ("int4", "exact"):  # every older position of the budget a pick: a 1-token window, no sinks
-        options = once | {"key_sketch": name, "recent_window": 1, "num_sinks": 0}
-        variants.append(Variant(f"query_sketch {name}, picks only", options))
-    for name, refresh in (("exact", 1), ("int4", 1), ("lowrank8", 1), ("lowrank4", 1), ("lowrank8", 2), ("int4", 4)):
-        options = {"draft": "query_sketch", "key_sketch": name, "sketch_refresh": refresh, "sketch_shortlist": 0}
-        variants.append(Variant(f"query_sketch {name}, every {refresh} drafts", options))
-    for name, shortlist in (("int4", 2), ("int4", 4), ("int4", 8), ("int2", 4)):
-        options = {"draft": "query_sketch", "key_sketch": name, "sketch_refresh": 1, "sketch_shortlist": shortlist}
-        variants.append(Variant(f"query_sketch {name}, every draft, shortlist {shortlist}x", options))
+    for shortlist in (0, 2, 4):  # 0: every draft scores every older position
+        options = {"draft": "query_sketch", "sketch_shortlist": shortlist}
+        variants.append(Variant(f"query_sketch, shortlist {shortlist}x", options))
+    variants.append(Variant("query_sketch + successors 4", {"draft": "query_sketch", "successors": 4}))
     return variants  # pillar_recent (a registered policy) is pillar + recent 64 + successors 4
 
 

@@ -18,7 +18,8 @@ import torch
 
 import attention
 from torchspec.config import SpecConfig
-from torchspec.draft_lists import DraftForward
+from torchspec.draft_lists import ChoiceWidths, DraftChoice, DraftForward
+from torchspec.hf import KVView
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
 
@@ -33,6 +34,9 @@ class DraftPolicy:
     uses_verify_scores: ClassVar[bool] = False
     #: Draft steps choose their positions inside attention, from the layer's own query (``select_for_drafts``).
     selects_in_attention: ClassVar[bool] = False
+    #: Query-aware policies that choose on the device alone (``choose_lists``): their draft forwards replay from CUDA
+    #: graphs like any other.
+    chooses_on_device: ClassVar[bool] = False
     #: Draft steps report the entropy of their distribution (``request.round.entropies``).
     uses_draft_entropy: ClassVar[bool] = False
 
@@ -80,6 +84,30 @@ class DraftPolicy:
         and the first of the recent positions: each draft also attends to every position from it to its own.
         Split so the runner builds one list per request and round on the device, of which each draft reads a
         prefix (``torchspec.draft_lists``)."""
+        raise NotImplementedError
+
+    def first_choices(self, requests: Sequence[Request]) -> list[bool]:
+        """Policies choosing on the device: which of a draft forward's requests make their round's first choice."""
+        raise NotImplementedError
+
+    def widths(self, bound: int, recent: int, any_first: bool) -> ChoiceWidths:
+        """Policies choosing on the device: the widths of a step's lists for requests of at most ``bound``
+        positions that read at most ``recent`` recent positions, some making their round's first choice or not."""
+        raise NotImplementedError
+
+    def prepare(self, table_rows: int, widths: ChoiceWidths, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Policies choosing on the device: room in their device state for ``table_rows`` slot-table rows; returns
+        that state (a graph that reads it is captured again when it moves)."""
+        raise NotImplementedError
+
+    def choose_lists(
+        self, choice: DraftChoice, layer: int, query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+        scale: float, shared: dict,
+    ) -> KVView:  # fmt: skip
+        """Policies choosing on the device: the lists (``[Hkv, n x width]`` with ``kv_ends``) that the draft
+        queries ``[n, num_heads, head_dim]`` of ``choice`` read in sparse layer ``layer``, chosen in a fixed
+        number of device operations (no host value: a CUDA graph replays them); ``shared``: what the forward's
+        layers share (a policy keeps there what it computes once a forward)."""
         raise NotImplementedError
 
     def select_for_drafts(self, forward: DraftForward) -> tuple[list[torch.Tensor] | torch.Tensor, np.ndarray]:
