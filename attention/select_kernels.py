@@ -8,8 +8,9 @@ Values map to unsigned keys that order as the values do; the k-th largest key co
 bits, each step one count of the keys at or above a candidate. A row that fits one block is searched in registers.
 A longer row is read once for the maxima of its lanes: the k-th largest of those is a lower bound on the row's, and
 the few entries at or above it are gathered (one more read) and searched; a row with too many of them (ties, a
-flat row) is searched over its whole length, one read per bit. Then the positions of the keys above the k-th
-largest and of the ties it still needs, lowest first, are written in one scan: already in ascending order.
+flat row), or more than half a block of picks, is searched over its whole length, one read per bit. Then the
+positions of the keys above the k-th largest and of the ties it still needs, lowest first, are written in one
+scan: already in ascending order.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from attention import reference
 
 # Row entries per iteration of a row's loops, and the widest row searched in registers alone. On the H200, 1,024
 # with 4 warps took W1's verify cut-off from 0.57 ms (4,096 with 8 warps) to 0.46, and PillarAttn's picks at 4.2K
@@ -73,7 +72,36 @@ def _write_chosen(Out, out_offset, pad, keys, positions, valid, kth, remaining, 
     return taken + tl.sum(chosen.to(tl.int32), axis=0), ties + tl.sum(tie.to(tl.int32), axis=0)
 
 
-@triton.jit(do_not_specialize=["k_group", "k_period", "stride_k", "width", "max_k"])  # one variant per layout
+@triton.jit
+def _write_by_whole_row(Values, Out, row_offset, out_offset, pad, k, length, offs, KEY_BITS: tl.constexpr,
+                        BLOCK: tl.constexpr):  # fmt: skip
+    """A row's picks from a search over its whole length, one read per bit, then one to count the keys above the
+    k-th largest and one to write."""
+    zero = tl.zeros([], tl.int32)
+    kth = tl.zeros([], tl.uint32)
+    one = tl.full([], 1, tl.uint32)
+    for bit in tl.static_range(KEY_BITS):
+        probe = kth | (one << (KEY_BITS - 1 - bit))
+        at_or_above = zero
+        for start in range(0, length, BLOCK):
+            keys, _ = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
+            at_or_above += tl.sum((keys >= probe).to(tl.int32), axis=0)
+        kth = tl.where(at_or_above >= k, probe, kth)
+    above = zero
+    for start in range(0, length, BLOCK):
+        keys, _ = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
+        above += tl.sum((keys > kth).to(tl.int32), axis=0)
+    taken, ties = zero, zero
+    for start in range(0, length, BLOCK):
+        keys, in_row = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
+        taken, ties = _write_chosen(Out, out_offset, pad, keys, start + offs, in_row, kth, k - above, taken, ties)
+
+
+# One variant per layout: k and lengths are read one a row (rows of a larger tensor: any alignment).
+@triton.jit(
+    do_not_specialize=["k_group", "k_period", "stride_k", "width", "max_k"],
+    do_not_specialize_on_alignment=["K", "Lengths"],
+)
 def _top_k_kernel(
     Values,
     K,
@@ -89,6 +117,7 @@ def _top_k_kernel(
     KEY_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     FITS: tl.constexpr,
+    WHOLE: tl.constexpr,
     CAP: tl.constexpr,
 ):
     """One row: ``max_k - k`` entries of -1, then the positions of its ``k`` largest values in ascending order
@@ -114,6 +143,8 @@ def _top_k_kernel(
         kth = _kth_largest(keys, k, KEY_BITS)
         above = tl.sum((keys > kth).to(tl.int32), axis=0)
         _write_chosen(Out, out_offset, pad, keys, offs, in_row, kth, k - above, zero, zero)
+    elif WHOLE:  # more picks than lanes: no bound from the lane maxima
+        _write_by_whole_row(Values, Out, row_offset, out_offset, pad, k, length, offs, KEY_BITS, BLOCK)
     else:
         lane_max = tl.zeros([BLOCK], tl.uint32)
         for start in range(0, length, BLOCK):
@@ -136,26 +167,8 @@ def _top_k_kernel(
             kth = _kth_largest(keys, k, KEY_BITS)
             above = tl.sum((keys > kth).to(tl.int32), axis=0)
             _write_chosen(Out, out_offset, pad, keys, positions, valid, kth, k - above, zero, zero)
-        else:  # too many entries at the bound: search the whole row, one read per bit
-            kth = tl.zeros([], tl.uint32)
-            one = tl.full([], 1, tl.uint32)
-            for bit in tl.static_range(KEY_BITS):
-                probe = kth | (one << (KEY_BITS - 1 - bit))
-                at_or_above = zero
-                for start in range(0, length, BLOCK):
-                    keys, _ = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
-                    at_or_above += tl.sum((keys >= probe).to(tl.int32), axis=0)
-                kth = tl.where(at_or_above >= k, probe, kth)
-            above = zero
-            for start in range(0, length, BLOCK):
-                keys, _ = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
-                above += tl.sum((keys > kth).to(tl.int32), axis=0)
-            taken, ties = zero, zero
-            for start in range(0, length, BLOCK):
-                keys, in_row = _load_keys(Values, row_offset, start + offs, length, KEY_BITS)
-                taken, ties = _write_chosen(
-                    Out, out_offset, pad, keys, start + offs, in_row, kth, k - above, taken, ties
-                )
+        else:  # too many entries at the bound: search the whole row
+            _write_by_whole_row(Values, Out, row_offset, out_offset, pad, k, length, offs, KEY_BITS, BLOCK)
 
 
 def top_k_positions(
@@ -168,15 +181,14 @@ def top_k_positions(
     out = torch.empty(*lead, max_k, dtype=torch.int32, device=values.device)
     if rows == 0 or max_k == 0:
         return out
-    if 2 * max_k > BLOCK:
-        # Thousands of picks a row (a drained batch's drafts read most of their contexts): few rows, which the
-        # reference's handful of ops serve, where a block for twice the picks compiled a kernel variant per power
-        # of two (4-7 s each, mid-run on W1).
-        return reference.top_k_positions(values, k, max_k, lengths)
-    block = BLOCK  # lanes: at least twice the picks, a tight bound from their maxima
+    block = BLOCK
     fits = width <= block
+    # Thousands of picks a row (a drained batch's drafts read most of their contexts; a query sketch's shortlist):
+    # the lane maxima (twice the picks needed) bound nothing, and a block per power of two compiled a variant each
+    # (4-7 s, mid-run on W1): the whole row is searched.
+    whole = not fits and 2 * max_k > block
     cap = block // 4 if CANDIDATES * max_k <= block // 4 else block  # room for the candidates, in two sizes
-    gathered = torch.empty(0 if fits else rows * cap, dtype=torch.int32, device=values.device)
+    gathered = torch.empty(0 if fits or whole else rows * cap, dtype=torch.int32, device=values.device)
     # k broadcast over the leading dimensions is read in place where it can be: a vector over the last one (or
     # all of them), or one k for each row of the others (``[..., 1]``: one per request over its KV heads); lengths
     # take k's layout.
@@ -202,6 +214,7 @@ def top_k_positions(
         KEY_BITS=8 * values.element_size(),
         BLOCK=block,
         FITS=fits,
+        WHOLE=whole,
         CAP=cap,
         num_warps=max(1, min(4, block // 256)),
     )

@@ -376,7 +376,8 @@ class SparseSpecForCausalLM(torch.nn.Module):
                 now = time.perf_counter()
                 if now - shown >= PROGRESS_SECONDS:  # a count over every request, not paid at every step
                     generated = sum(r.num_output_tokens for r in requests)
-                    bar.set_postfix_str(f"{generated} tok, {generated / (now - start):.1f} tok/s", False)
+                    # Shown now: once a request has finished, tqdm redraws only when the count moves.
+                    bar.set_postfix_str(f"{generated} tok, {generated / (now - start):.1f} tok/s", refresh=True)
                     shown = now
                 bar.update(len(finished))
 

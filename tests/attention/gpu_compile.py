@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from attention import layer_kernels, logits_kernels, paged, select_kernels
+from attention import layer_kernels, logits_kernels, paged, select_kernels, sketch_kernels
 from attention.reference import MASS_DTYPE, FirstLists
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -31,6 +31,7 @@ TRITON_TYPES = {
     torch.float16: "fp16",
     torch.int64: "i64",
     torch.int32: "i32",
+    torch.uint8: "u8",
 }
 KERNELS = (
     (paged, "_attention_kernel"),
@@ -40,6 +41,9 @@ KERNELS = (
     (layer_kernels, "_rotary_store_kernel"),
     (logits_kernels, "_warped_lse_kernel"),
     (select_kernels, "_top_k_kernel"),
+    (sketch_kernels, "_store_sketch_kernel"),
+    (sketch_kernels, "_sketch_mass_kernel"),
+    (sketch_kernels, "_sketch_lists_kernel"),
 )
 
 
@@ -139,6 +143,29 @@ def _top_k() -> None:
     select_kernels.top_k_positions(torch.rand(4, 3000), torch.tensor([30, 0, 45, 12]), 45)
 
 
+def _key_sketch() -> None:
+    """SmolLM2's int4 key sketch (3 KV heads of 64, GQA groups of 3) at a query sketch's W1 shapes: written with
+    a step's keys; 256 drafts scoring their older positions (a round's first) or sinks and a shortlist, one k and
+    length a request over its KV heads; the picks (and a shortlist of thousands: the whole-row search) and the
+    lists built from them."""
+    k_cache = torch.randn(1000, 3, 64).to(torch.bfloat16)
+    codes, scales = torch.zeros(1000, 3, 32, dtype=torch.uint8), torch.zeros(1000, 3)
+    sketch_kernels.store_key_sketch(k_cache, torch.arange(300), codes, scales)
+    drafts, table, listed = 256, torch.zeros(257, 8352, dtype=torch.int64), torch.zeros(257, 3, 3344, dtype=torch.int32)
+    query, per_request = torch.randn(drafts, 3, 3, 64).to(torch.bfloat16), torch.zeros(drafts, dtype=torch.int64)
+    rows = torch.arange(drafts)
+    for width in (8352, 3348):
+        mass = sketch_kernels.sketch_mass(
+            query, codes, scales, table, rows, per_request, listed, per_request, 0.125, per_request, width
+        )
+        counts = torch.full((drafts, 1), 200)
+        picks = select_kernels.top_k_positions(mass, counts, 418, counts)
+        select_kernels.top_k_positions(mass, counts * 8, 3344, counts)
+        sketch_kernels.sketch_lists(
+            picks, table, rows, per_request, listed, per_request, per_request, per_request, per_request, 1, 594
+        )
+
+
 SCENARIOS: dict[str, Callable[[], None]] = {
     "smollm2-decode": _split_launch(9, 3, 64, 1, torch.bfloat16),
     "smollm2-verify": _split_launch(9, 3, 64, 9, torch.bfloat16),
@@ -151,6 +178,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "layer-ops": _layer_ops,
     "warped-lse": _warped_lse,
     "top-k": _top_k,
+    "key-sketch": _key_sketch,
 }
 
 

@@ -32,5 +32,6 @@ def compiled() -> dict[str, str]:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_kernel_launches_compile_for_sm90(compiled, scenario):
     """Decode, verify, prefill, sliding-window, fp32, fused draft + verify and verify-score launches (split ones
-    with their merge) compile to a cubin for sm_90."""
+    with their merge), the layer, logits and Top-K kernels and the key sketch's (store, scoring, lists) compile to a
+    cubin for sm_90."""
     assert compiled[scenario] == "ok", compiled[scenario]

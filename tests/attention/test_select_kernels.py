@@ -65,14 +65,19 @@ def test_kernel_gathers_past_its_candidates():
     assert torch.equal(select_kernels.top_k_positions(values.to(DEVICE), k.to(DEVICE), 30).cpu(), expected)
 
 
-def test_thousands_of_picks_a_row_take_the_reference():
-    """More picks than half a block (a drained batch's drafts read most of their contexts) are served without a
-    kernel variant of their own: the same picks, per-request counts broadcast as PillarAttn passes them."""
-    values = _rows(torch.bfloat16, 3000).view(2, 3, 3000)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_thousands_of_picks_a_row_search_the_whole_row(dtype):
+    """More picks than half a block (a drained batch's drafts read most of their contexts, a query sketch's
+    shortlist), more than a block too: the whole row is searched, the same picks, per-request counts broadcast as
+    PillarAttn passes them."""
+    values = _rows(dtype, 3000).view(2, 3, 3000)
     k = torch.tensor([700, 0, 513])
     expected = reference.top_k_positions(values, k, 700)
     assert torch.equal(select_kernels.top_k_positions(values.to(DEVICE), k.to(DEVICE), 700).cpu(), expected)
     assert (expected[:, 0] >= 0).sum() == 2 * 700 and (expected[:, 2] >= 0).sum() == 2 * 513
+    k = torch.tensor([[1500], [1100]])
+    expected = reference.top_k_positions(values, k, 1600)
+    assert torch.equal(select_kernels.top_k_positions(values.to(DEVICE), k.to(DEVICE), 1600).cpu(), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from torchspec import SpecConfig, sparsespec
+from torchspec import SpecConfig, causal_lm, sparsespec
 from torchspec.request import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -132,6 +132,15 @@ def test_generate_batch_reports_bad_prompt(model: Any, bad: list[int], message: 
     assert failed.finish_reason == "error" and failed.token_ids == [] and failed.text is None
     assert re.search(message, failed.error), failed.error
     assert good.finish_reason in ("stop", "length") and good.error is None and good.token_ids
+
+
+def test_progress_keeps_showing_tokens_after_a_request_ends(model: Any, capsys, monkeypatch) -> None:
+    """The progress bar's token count keeps moving once a request has ended (a failed one ends at once): tqdm
+    redraws on its own only when the finished count moves, so each refresh of the count is drawn."""
+    monkeypatch.setattr(causal_lm, "PROGRESS_SECONDS", 0.0)
+    model.generate_batch([_prompt(5), [VOCAB_SIZE]], max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS)
+    shown = set(re.findall(r"(\d+) tok, [\d.]+ tok/s", capsys.readouterr().err))
+    assert len(shown) >= MAX_NEW_TOKENS // 2, shown
 
 
 @pytest.mark.parametrize("stop", [-1, VOCAB_SIZE], ids=["negative", ">=vocab"])

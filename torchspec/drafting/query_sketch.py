@@ -111,34 +111,32 @@ class QuerySketchPolicy(DraftPolicy):
     ) -> KVView:  # fmt: skip
         """Each request's list for this layer (``[Hkv, n x width]``, -1 = padding; ``kv_ends`` where each ends):
         its sinks, its recent positions, then its picks with their successors; the first choices keep their
-        shortlists. Five device operations a layer (a first choice's forward: three more), on what the forward's
-        requests share across layers (``_rounds``)."""
+        shortlists. Three device operations a layer (scores, Top-K, lists; three more where a forward holds first
+        choices, for their shortlists), on what the forward's requests share across layers (``_rounds``)."""
         rows, widths, heads = choice.rows, choice.widths, codes.shape[1]
         rounds = shared.get(self.name) or shared.setdefault(self.name, self._rounds(choice))
         index = self._layer_index[layer]
-        listed = self.shortlists[index]
-        listed_lengths = torch.where(rounds.rescores, self.shortlist_lengths[index, rows], 0)
-        lengths = rounds.prefix + listed_lengths
+        listed, listed_lengths, lengths = self.shortlists[index], rounds.listed_lengths[index], rounds.lengths[index]
         grouped = query.reshape(rows.shape[0], heads, -1, query.shape[-1])
         mass = self.ops.sketch_mass(
             grouped, codes, scales, choice.table, rows, rounds.prefix, listed, listed_lengths, scale, rounds.sinks,
             widths.candidates,
         )  # fmt: skip
         picks = self.ops.top_k_positions(mass, rounds.count[:, None], widths.picks, lengths[:, None])
-        width = self.num_sinks + widths.recent + widths.picks * self.span
         slots, ends = self.ops.sketch_lists(
             picks, choice.table, rows, rounds.prefix, listed, listed_lengths, rounds.sinks, choice.recent_start,
-            rounds.recent, self.span, width,
+            rounds.recent, self.span, rounds.width,
         )  # fmt: skip
         if widths.any_first and self.shortlist:  # the first choices keep their best (positions: a prefix's indices)
             best = self.ops.top_k_positions(mass, rounds.kept[:, None], listed.shape[-1], lengths[:, None])
             self.shortlists[index, rounds.keeps_in] = best
             self.shortlist_lengths[index, rounds.keeps_in] = rounds.kept
-        return KVView(rounds.starts(width), slots, width, ends)
+        return KVView(rounds.starts, slots, rounds.width, ends)
 
     def _rounds(self, choice: DraftChoice) -> _Rounds:
-        """What every layer of a forward reads of its requests' rounds, computed once a forward."""
-        older, first = choice.recent_start, choice.first
+        """What every layer of a forward reads of its requests' rounds, computed once a forward. The shortlists'
+        lengths are read for all layers at once: a layer writes only the first choices' (which read none)."""
+        older, first, widths = choice.recent_start, choice.first, choice.widths
         sinks = older.clamp(max=self.num_sinks)
         context = choice.positions + 1
         budget = torch.maximum(choice.floor, (context.double() * self.config.sparsity).ceil().long())
@@ -147,30 +145,36 @@ class QuerySketchPolicy(DraftPolicy):
         count = torch.where(room >= spare, spare, (room // self.span).clamp(min=1)).masked_fill(room <= 0, 0)
         # A request rescoring its shortlist scores its sinks (they weigh in the softmax, never picked), then it.
         rescores = ~first if self.shortlist else torch.zeros_like(first)
-        spare_row = self.shortlists.shape[1] - 1  # the first choices' shortlists go to their rows, the others' here
+        prefix = torch.where(rescores, sinks, older)
+        listed_lengths = torch.where(rescores, self.shortlist_lengths[:, choice.rows], 0)  # [layers, n]
+        width = self.num_sinks + widths.recent + widths.picks * self.span
         return _Rounds(
             sinks=sinks,
-            prefix=torch.where(rescores, sinks, older),
+            prefix=prefix,
             count=count,
-            rescores=rescores,
+            listed_lengths=listed_lengths,
+            lengths=prefix + listed_lengths,
             kept=torch.minimum(count * self.shortlist, spare),
-            keeps_in=torch.where(first, choice.rows, spare_row),
+            # The first choices' shortlists go to their rows, the others' to the spare row.
+            keeps_in=torch.where(first, choice.rows, self.shortlists.shape[1] - 1),
             # A request past its chain in a chain's later forward, or padding, drafts at position 0: none recent.
-            recent=(context - older).clamp(0, choice.widths.recent),
+            recent=(context - older).clamp(0, widths.recent),
+            width=width,
+            starts=torch.arange(first.shape[0] + 1, device=first.device) * width,
         )
 
 
 @dataclass
 class _Rounds:
-    """A forward's requests as every layer chooses for them (``[n]`` each)."""
+    """A forward's requests as every layer chooses for them (``[n]`` each, ``[sparse layers, n]`` by layer)."""
 
     sinks: torch.Tensor  # sinks read (and scored, never picked)
     prefix: torch.Tensor  # older positions scored as a prefix: all of them at a first choice, else the sinks
     count: torch.Tensor  # picks to make
-    rescores: torch.Tensor  # bool: rescoring the round's shortlist
+    listed_lengths: torch.Tensor  # by layer: the shortlist entries rescored (0 at a first choice)
+    lengths: torch.Tensor  # by layer: candidates scored
     kept: torch.Tensor  # a first choice's shortlist length
-    keeps_in: torch.Tensor  # the shortlist row a first choice writes (others: the spare row)
+    keeps_in: torch.Tensor  # the shortlist row a first choice writes
     recent: torch.Tensor  # recent positions read, from the recent start
-
-    def starts(self, width: int) -> torch.Tensor:
-        return torch.arange(self.sinks.shape[0] + 1, device=self.sinks.device) * width
+    width: int  # entries of a list
+    starts: torch.Tensor  # [n + 1]: where each list starts
