@@ -101,7 +101,7 @@ def _block_logits(
 
 
 # Widths that grow over a generation (the slot table's, a shortlist's, a step's candidates): one variant of a kernel.
-_MASS_WIDTHS = ["stride_tr", "stride_lr", "stride_lh", "stride_on", "stride_oh", "listed_width"]
+_MASS_WIDTHS = ["stride_tr", "stride_lr", "stride_lh", "stride_on", "stride_oh", "listed_width", "width"]
 _LIST_WIDTHS = [
     "stride_pn",
     "stride_ph",
@@ -123,7 +123,7 @@ _PER_REQUEST = ["Rows", "Prefix", "ListedLengths", "Skip", "Sinks", "RecentStart
 def _sketch_mass_kernel(
     Q, Codes, Scales, Table, Rows, Prefix, Listed, ListedLengths, Skip, Out, stride_qn, stride_qh, stride_qg,
     stride_cs, stride_ch, stride_ss, stride_sh, stride_tr, stride_lr, stride_lh, stride_on, stride_oh, num_kv_heads,
-    group, listed_width, scale_log2,
+    group, listed_width, width, scale_log2,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -134,7 +134,7 @@ def _sketch_mass_kernel(
     head = tl.program_id(0) % num_kv_heads
     prefix = tl.load(Prefix + request)
     listed_length = tl.load(ListedLengths + request)
-    total = prefix + listed_length
+    total = tl.minimum(prefix + listed_length, width)  # never past the row
     table_row = tl.load(Rows + request).to(tl.int64)
     args = (Q, Codes, Scales, Table, Listed, request, head, table_row, prefix, total, listed_width - listed_length)
     strides = (
@@ -181,7 +181,7 @@ def sketch_mass(
         query, codes, scales, table, rows, prefix, listed, listed_lengths, skip, out, query.stride(0),
         query.stride(1), query.stride(2), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
         table.stride(0), listed.stride(0), listed.stride(1), out.stride(0), out.stride(1), num_kv_heads, group,
-        listed.shape[-1], scale * LOG2E, HALF=half, BLOCK_HALF=max(MIN_DOT, triton.next_power_of_2(half)),
+        listed.shape[-1], width, scale * LOG2E, HALF=half, BLOCK_HALF=max(MIN_DOT, triton.next_power_of_2(half)),
         BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_S=BLOCK_S,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )  # fmt: skip

@@ -101,25 +101,12 @@ def offsets(lengths: np.ndarray) -> np.ndarray:
 
 @dataclass
 class DraftKeys:
-    """The cached keys a query-aware policy scores for one layer and one draft forward's requests (request ``j``
-    at slot-table row ``rows[j]``), gathered on the device where the policy asks; with the layer's key sketch
-    (``KVPool.codes`` and ``scales``) where the pool keeps one."""
+    """The cached keys a query-aware policy that chooses on the host reads for one layer and one draft forward's
+    requests (request ``j`` at slot-table row ``rows[j]``)."""
 
     table: SlotTable
     k_cache: torch.Tensor  # [slots, Hkv, D]
     rows: torch.Tensor  # [N] on the device
-    codes: torch.Tensor | None = None  # [slots, Hkv, D // 2]
-    scales: torch.Tensor | None = None  # [slots, Hkv]
-
-    def slots_at(self, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Slots ``[n, Hkv, S]`` of requests ``requests`` (``[n]``, indices into the forward's) at ``positions``
-        (``[n, Hkv, S]``, each KV head its own; -1 = padding, kept)."""
-        return self.table.lookup(self.rows[requests][:, None, None], positions)
-
-    def at(self, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Keys ``[n, Hkv, S, D]`` at ``slots_at(requests, positions)`` (padding: slot 0's)."""
-        heads = torch.arange(self.k_cache.shape[1], device=self.k_cache.device)[None, :, None]
-        return self.k_cache[self.slots_at(requests, positions).clamp(min=0), heads]
 
     def up_to(self, j: int, position: int) -> torch.Tensor:
         """Keys ``[position + 1, Hkv, D]`` of request ``j`` at positions 0 .. ``position``."""

@@ -263,7 +263,7 @@ class Runner:
         device_rows = self._tensor(rows)
 
         def select(layer: int, queries: torch.Tensor, k_cache: torch.Tensor, scale: float) -> KVView:
-            keys = DraftKeys(self.table, k_cache, device_rows, self.pool.codes[layer], self.pool.scales[layer])
+            keys = DraftKeys(self.table, k_cache, device_rows)
             forward = DraftForward(requests, firsts.tolist(), layer, queries, keys, scale)
             fixed, recent_from = self.policy.select_for_drafts(forward)
             return build_lists(self.table, (self.num_kv_heads[layer],), rows, firsts, fixed, recent_from)[0]

@@ -1188,6 +1188,18 @@ def test_query_sketch_shortlist_rescores_only_the_first_choices_best():
     assert 20 in every(101, False, "other") and 10 not in every(101, False, "other")
 
 
+def test_query_sketch_rescores_a_shortlist_made_at_a_wider_step_share_whole():
+    """A round whose steps' shares of the draft budget shrink (a batch filling up between its drafts) rescores
+    the shortlist its first choice kept, wider than the later budget's: the candidates' width holds all of it."""
+    policy = _sketch_policy(min_budget=8, sparsity=0.01, sketch_shortlist=2)
+    policy.step_share = 40
+    first = policy.widths(500, 10, True)
+    policy.prepare(2, first, torch.device("cpu"))
+    policy.step_share = 0
+    later = policy.widths(500, 10, False)
+    assert later.picks < first.picks and later.candidates >= policy.num_sinks + policy.shortlists.shape[-1]
+
+
 @pytest.mark.parametrize(("shortlist", "successors"), [(0, 0), (2, 0), (8, 2)])
 def test_query_sketch_with_room_for_picks_is_lossless(shortlist, successors, baseline, monkeypatch):
     """With a 1-token window and no sinks the budget leaves room for picks: output is draft=None's whether every

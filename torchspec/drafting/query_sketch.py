@@ -50,7 +50,8 @@ class QuerySketchPolicy(DraftPolicy):
         self.sketched_layers = frozenset(self.sparse_layers)  # scored on the pool's copy, written as keys are stored
         self._layer_index = {layer: i for i, layer in enumerate(self.sparse_layers)}
         # Per sparse layer and slot-table row (one spare row last, which rows not choosing afresh write to): the
-        # shortlist of the request's round ([layers, rows + 1, Hkv, width] positions, best first) and its length.
+        # shortlist of the request's round ([layers, rows + 1, Hkv, width] positions as a Top-K lays them out: -1
+        # first, its picks last in ascending order) and its length.
         self.shortlists = torch.zeros(0, 0, 0, 0, dtype=torch.int32)
         self.shortlist_lengths = torch.zeros(0, 0, dtype=torch.int64)
 
@@ -83,7 +84,8 @@ class QuerySketchPolicy(DraftPolicy):
         """The widths of a step's lists for requests of at most ``bound`` positions reading at most ``recent``
         recent positions: a first choice scores every older position, a later one its sinks and shortlist."""
         picks = max(self.budget(bound), 1)
-        rescored = self.num_sinks + self.shortlist * picks
+        # A shortlist made at a wider step share (the state keeps the widest) is rescored whole.
+        rescored = self.num_sinks + max(self.shortlist * picks, self.shortlists.shape[-1] if self.shortlist else 0)
         candidates = bound if any_first or not self.shortlist else min(bound, rescored)
         return ChoiceWidths(candidates=candidates, picks=picks, recent=recent, any_first=any_first)
 
