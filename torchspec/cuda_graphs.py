@@ -148,7 +148,7 @@ class StepGraphs:
         num_drafts = metadata.num_drafts
         num_verifies = metadata.full.kv_indptr.shape[0] - 1
         key = (self._bucket(num_drafts), self._bucket(num_verifies))
-        lists = num_drafts and metadata.draft_choice is None  # the runner built the draft lists
+        lists = num_drafts > 0 and metadata.draft_choice is None  # the runner built the draft lists
         draft_count = metadata.draft[self.first_sparse].kv_indices.shape[-1] if lists else 0
         full_count = metadata.full.kv_indices.shape[-1]
         step = self._steps.get(key)

@@ -94,14 +94,13 @@ class QuerySketchPolicy(DraftPolicy):
         is captured again when they move); returns them."""
         layers, heads = len(self.sparse_layers), self.num_kv_heads
         rows, width = table_rows + 1, max(self.shortlist * widths.picks, 1)
-        have_rows, have_width = self.shortlists.shape[1:2] or (0,), self.shortlists.shape[-1:] or (0,)
-        if self.shortlists.device == device and rows <= have_rows[0] and width <= have_width[0]:
+        _, old_rows, _, old_width = self.shortlists.shape
+        if self.shortlists.device == device and rows <= old_rows and width <= old_width:
             return self.shortlists, self.shortlist_lengths
-        rows, width = max(rows, have_rows[0]), max(width, have_width[0])
+        rows, width = max(rows, old_rows), max(width, old_width)
         grown = torch.full((layers, rows, heads, width), -1, dtype=torch.int32, device=device)
         lengths = torch.zeros(layers, rows, dtype=torch.int64, device=device)
         if self.shortlists.numel() and self.shortlists.device == device:  # a shortlist keeps its picks last
-            _, old_rows, _, old_width = self.shortlists.shape
             grown[:, :old_rows, :, width - old_width :] = self.shortlists
             lengths[:, :old_rows] = self.shortlist_lengths
         self.shortlists, self.shortlist_lengths = grown, lengths
