@@ -148,6 +148,28 @@ def test_a_run_stopped_part_way_keeps_the_finished_methods_reported(
     assert "| none |" in (tmp_path / "report.md").read_text()
 
 
+def test_a_method_of_ours_carries_settings_for_its_run_alone(
+    bench: Bench, monkeypatch: pytest.MonkeyPatch, smollm2: Any, tmp_path: Path
+) -> None:
+    """``pillar_recent+k=2+sparsity=0.5`` runs pillar_recent with k=2 and sparsity 0.5, reported under that name
+    and configuration, beside pillar_recent at its defaults in the same report: k and sparsity chosen with one
+    command."""
+    tokenizer = smollm2[1]
+    _serve(monkeypatch, tiny_spec("llama", vocab_size=len(tokenizer), max_position_embeddings=512).build(), tokenizer)
+    methods = "pillar_recent,pillar_recent+k=2+sparsity=0.5"
+    argv = ("--methods", methods, "--num-prompts", "2", "--output-len", "6", "--warmup-tokens", "1")
+    code, _, err = bench(*argv, "--temperature", "0", "--threads", "1", "--out", str(tmp_path))
+    assert code == 0, err[-3000:]
+    runs = {run["method"]: run for run in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    assert list(runs) == methods.split(",")
+    default, set_apart = runs["pillar_recent"], runs["pillar_recent+k=2+sparsity=0.5"]
+    assert default["k"] == 8 and set_apart["k"] == 2
+    assert len(set_apart["accepted_histogram"]) == 3 and sum(set_apart["accepted_histogram"]) > 0
+    assert "draft=pillar_recent, k=2, sparsity=0.5" in set_apart["configuration"]
+    assert "draft=pillar_recent, k=8, sparsity=0.05" in default["configuration"]
+    assert "| pillar_recent+k=2+sparsity=0.5 |" in (tmp_path / "report.md").read_text()
+
+
 class _NoModel:
     """Stands in for the suite's model load where the arguments are already known to be bad."""
 
@@ -164,6 +186,22 @@ class _NoModel:
             id="method",
         ),
         pytest.param(("--methods", ","), r"no method named", id="no-method"),
+        pytest.param(
+            ("--methods", "none,hf-static+compile"),
+            r"bad method 'hf-static\+compile': settings .* apply to torchspec's methods only",
+            id="peer-setting",
+        ),
+        pytest.param(
+            ("--methods", "pillar_recent+sparsity=1.5"),
+            r"bad method 'pillar_recent\+sparsity=1.5': sparsity must be in \(0, 1\], got 1.5",
+            id="setting-range",
+        ),
+        pytest.param(("--methods", "none+top_k=5"), r"bad option '\+top_k=5' in 'none\+top_k=5'", id="setting-name"),
+        pytest.param(
+            ("--model-config", "qwen3-1.7b", "--methods", "pillar_recent+k=4"),
+            r"--model-config measures each method at its defaults; drop the settings of pillar_recent\+k=4",
+            id="model-config-setting",
+        ),
         pytest.param(("--sweep", "batches=1,2"), r"bad sweep 'batches=1,2': use output-len=N,N,", id="sweep-name"),
         pytest.param(("--sweep", "output-len=1k"), r"values are whole numbers", id="sweep-value"),
         pytest.param(("--sweep", "batch=0,32"), r"sweep value 0 of batch out of range", id="sweep-range"),

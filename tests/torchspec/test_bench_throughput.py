@@ -151,11 +151,18 @@ def test_a_run_names_its_draft_and_switches_so_one_command_runs_an_ablation(caps
         "pillar_recent",
         {"relearn_rounds": 2, "compile": True, "draft_step_budget": 0},
     )
+    assert parse_setting("query_sketch+k=4+sparsity=0.1+sketch_shortlist=4") == (
+        "query_sketch",
+        {"k": 4, "sparsity": 0.1, "sketch_shortlist": 4},
+    )
     for bad, named in (
         ("pilar", "unknown draft 'pilar'"),
         ("none+compil", "unknown switch 'compil'"),
         ("pillar_recent+relearn_rounds=two", "bad option '+relearn_rounds=two'"),
-        ("pillar_recent+sparsity=1", "bad option '+sparsity=1'"),
+        ("pillar_recent+k=2.5", "bad option '+k=2.5'"),
+        ("pillar_recent+temperature=1", "bad option '+temperature=1'"),
+        ("pillar_recent+sparsity=2", "sparsity must be in (0, 1], got 2.0 (in 'pillar_recent+sparsity=2')"),
+        ("pillar_recent+k=0", "k must be an integer >= 1, got 0"),
     ):
         with pytest.raises(SystemExit):
             main(["--drafts", "none", bad])

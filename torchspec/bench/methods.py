@@ -3,20 +3,32 @@ own ways as peers (torchspec/bench/peers.py)."""
 
 from __future__ import annotations
 
+import argparse
 import functools
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from torchspec.bench import peers
+from torchspec.bench.records import parse_setting
 from torchspec.bench.runs import MethodRun, Workload
 from torchspec.bench.throughput import measure
 from torchspec.config import DRAFT_POLICIES
 
 
-def run_ours(model: torch.nn.Module, tokenizer: Any, workload: Workload, draft: str | None) -> MethodRun:
-    """torchspec's ``generate_batch`` with ``draft`` (None: plain decoding), through the throughput benchmark."""
+def run_ours(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    workload: Workload,
+    draft: str | None,
+    options: Mapping[str, bool | int | float] = MappingProxyType({}),
+    name: str | None = None,
+) -> MethodRun:
+    """torchspec's ``generate_batch`` with ``draft`` (None: plain decoding) and ``wrap()`` ``options``, through the
+    throughput benchmark; reported as ``name`` (default: the draft, or ``none``)."""
     record = measure(
         model,
         workload.prompts,
@@ -27,14 +39,16 @@ def run_ours(model: torch.nn.Module, tokenizer: Any, workload: Workload, draft: 
         warmup_tokens=workload.warmup_tokens,
         natural_lengths=workload.natural_lengths,
         max_batch_size=workload.batch_size,
+        **options,
     )
     drafts = f"draft={draft}, k={record['k']}, sparsity={record['sparsity']}" if draft else "no speculation"
     graphs = "CUDA graphs" if record["graph_captures"] is not None else "no CUDA graphs"
     speculative = draft is not None
+    settings = "".join(f"{option}={value}, " for option, value in options.items() if option not in ("k", "sparsity"))
     return MethodRun(
-        method=draft or "none",
+        method=name or draft or "none",
         configuration=f"torchspec generate_batch, {drafts}, {record['max_batch_size']} requests at once, "
-        f"KV pool {record['kv_capacity_tokens']} tokens, {graphs}, other options at their defaults",
+        f"KV pool {record['kv_capacity_tokens']} tokens, {graphs}, {settings}other options at their defaults",
         requests=record["requests"],
         generated_tokens=record["generated_tokens"],
         seconds=record["seconds"],
@@ -65,9 +79,30 @@ METHODS: dict[str, Method] = {
 }
 
 
+def method(name: str) -> Method:
+    """The method ``name`` runs: one of ``METHODS``, or ours with settings for that run (``pillar_recent+k=4``,
+    ``query_sketch+sketch_shortlist=4-compile``: see ``parse_setting``; ``ArgumentTypeError`` if bad)."""
+    if name in METHODS:
+        return METHODS[name]
+    draft, options = parse_setting(name)
+    return functools.partial(run_ours, draft=draft, options=options, name=name)
+
+
 def methods_error(names: Sequence[str]) -> str | None:
-    """A one-line error naming the methods of ``names`` that do not exist or cannot run here (None: all can)."""
-    unknown = [name for name in names if name not in METHODS]
-    if unknown:
-        return f"unknown method {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}"
+    """A one-line error naming the first of ``names`` that is no method or cannot run here (None: all can)."""
+    for name in names:
+        if name in METHODS:
+            continue
+        base = re.split(r"[+-]", name)[0]
+        if base in peers.PEERS:
+            return f"bad method {name!r}: settings (+NAME, -NAME, +NAME=VALUE) apply to torchspec's methods only"
+        if base not in METHODS:
+            return (
+                f"unknown method {name!r}; choose from {', '.join(METHODS)} (torchspec's may carry settings, "
+                "e.g. pillar_recent+k=4+sparsity=0.1)"
+            )
+        try:
+            parse_setting(name)
+        except argparse.ArgumentTypeError as error:
+            return f"bad method {name!r}: {error}"
     return next(filter(None, map(peers.missing_peer, names)), None)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from attention import BACKENDS
-from torchspec.config import DRAFT_POLICIES
+from torchspec.config import DRAFT_POLICIES, SpecConfig
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -41,8 +41,15 @@ ENGINE_SWITCHES = {
 }
 
 
-#: Integer wrap() options a ``--drafts`` setting may give (``+NAME=N``).
-ENGINE_VALUES = ("k", "relearn_rounds", "draft_step_budget")
+#: Numeric wrap() options a setting may give (``+NAME=VALUE``), with their types.
+ENGINE_VALUES: dict[str, type] = {
+    "k": int,
+    "sparsity": float,
+    "min_budget": int,
+    "sketch_shortlist": int,
+    "relearn_rounds": int,
+    "draft_step_budget": int,
+}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,27 +59,43 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention op set")
 
 
-def parse_setting(text: str) -> tuple[str | None, dict[str, bool | int]]:
-    """A ``--drafts`` entry: a draft policy (or ``none``), then engine switches turned on (``+name``) or off
-    (``-name``) and integer options set (``+name=N``, one of ``ENGINE_VALUES``) for that run alone, e.g.
-    ``pillar_recent+compile-adaptive_rounds+relearn_rounds=2``: one command runs an ablation."""
+def parse_setting(text: str) -> tuple[str | None, dict[str, bool | int | float]]:
+    """A run of ours by its setting: a draft policy (or ``none``), then engine switches turned on (``+name``) or
+    off (``-name``) and numeric options set (``+name=VALUE``, one of ``ENGINE_VALUES``) for that run alone, e.g.
+    ``pillar_recent+compile-adaptive_rounds+k=4+sparsity=0.1``: one command runs an ablation or a sweep of k and
+    sparsity. The values are checked as ``wrap()`` checks them, so a bad one is refused before a model loads."""
     draft, *switches = re.split(r"(?=[+-])", text)
     if draft not in ("none", *DRAFT_POLICIES):
         raise argparse.ArgumentTypeError(f"unknown draft {draft!r} in {text!r}; use none or one of {DRAFT_POLICIES}")
-    overrides: dict[str, bool | int] = {}
+    overrides: dict[str, bool | int | float] = {}
     for switch in switches:
         name, is_value, value = switch[1:].partition("=")
         if is_value:
-            if switch[0] != "+" or name not in ENGINE_VALUES or not value.isdigit():
-                raise argparse.ArgumentTypeError(
-                    f"bad option {switch!r} in {text!r}; set an integer option as +NAME=N, NAME one of {ENGINE_VALUES}"
-                )
-            overrides[name] = int(value)
+            overrides[name] = _engine_value(switch, name, value, text)
             continue
         if name not in ENGINE_SWITCHES:
             raise argparse.ArgumentTypeError(f"unknown switch {name!r} in {text!r}; use one of {list(ENGINE_SWITCHES)}")
         overrides[name] = switch[0] == "+"
-    return None if draft == "none" else draft, overrides
+    draft = None if draft == "none" else draft
+    try:
+        SpecConfig(draft=draft, **overrides)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error} (in {text!r})") from None
+    return draft, overrides
+
+
+def _engine_value(switch: str, name: str, value: str, text: str) -> int | float:
+    """The value of ``+NAME=VALUE`` as its option's type (``ENGINE_VALUES``)."""
+    kind = ENGINE_VALUES.get(name)
+    try:
+        if switch[0] == "+" and kind is not None:
+            return kind(value)
+    except ValueError:
+        pass
+    options = ", ".join(f"{option} ({kind.__name__})" for option, kind in ENGINE_VALUES.items())
+    raise argparse.ArgumentTypeError(
+        f"bad option {switch!r} in {text!r}; set a number as +NAME=VALUE, NAME one of {options}"
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, bool | str | None]:

@@ -2,6 +2,7 @@
 
     torchspec bench --methods none,pillar_recent,hf --num-prompts 256 --output-len 8192 --out bench-w1
     torchspec bench --methods none,pillar_recent --sweep output-len=1024,2048,4096,8192 --out bench-lengths
+    torchspec bench --methods pillar_recent,pillar_recent+k=4,pillar_recent+sparsity=0.1 --out bench-k
     torchspec bench --model-config qwen3-8b --max-batch-size 64 --context 8192 --methods none,pillar_recent
 
 ``--model-config`` measures what engine steps cost on a large model's shape with random weights (plain steps, and
@@ -29,7 +30,7 @@ from tqdm import tqdm
 
 from torchspec.arguments import add_device_arguments, at_least, model_dtype
 from torchspec.bench import step_cost
-from torchspec.bench.methods import METHODS, methods_error
+from torchspec.bench.methods import METHODS, method, methods_error
 from torchspec.bench.records import environment
 from torchspec.bench.report import write_report
 from torchspec.bench.runs import MethodRun, Workload
@@ -121,7 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods",
         type=method_names,
         default=DEFAULT_METHODS,
-        help=f"comma-separated, of: {', '.join(METHODS)} (default: {DEFAULT_METHODS})",
+        help=f"comma-separated, of: {', '.join(METHODS)}; torchspec's may carry settings for their run alone, "
+        "e.g. pillar_recent+k=4+sparsity=0.1, query_sketch+sketch_shortlist=4, none+compile "
+        f"(default: {DEFAULT_METHODS})",
     )
     parser.add_argument(
         "--sweep", type=sweep, help="run every method at each value: output-len=1024,2048,... or batch=32,64,..."
@@ -243,7 +246,7 @@ def _run_methods(
     with tqdm(points, desc="bench", unit="run") as bar:
         for value, workload, name in bar:
             bar.set_postfix_str(name if value is None else f"{name}, {sweep_name}={value}")
-            runs.append(dataclasses.replace(METHODS[name](model, tokenizer, workload), sweep_value=value))
+            runs.append(dataclasses.replace(method(name)(model, tokenizer, workload), sweep_value=value))
             written = write_report(args.out, runs, _results(args, dtype, points[0][1]), sweep_name)
     return runs, written
 
@@ -254,9 +257,12 @@ def _step_cost_error(args: argparse.Namespace, dtype: torch.dtype) -> str | None
         return "--model and --model-config exclude each other: one measures a model, the other a shape"
     if args.sweep is not None:
         return "--sweep does not apply to --model-config: run it once per batch size or context"
-    peers = [name for name in args.methods if name not in ("none", *DRAFT_POLICIES)]
+    peers = [name for name in args.methods if name in METHODS and name not in ("none", *DRAFT_POLICIES)]
     if peers:
         return f"--model-config measures torchspec's engine steps; drop the peers {', '.join(peers)} from --methods"
+    set_apart = [name for name in args.methods if name not in METHODS]
+    if set_apart:
+        return f"--model-config measures each method at its defaults; drop the settings of {', '.join(set_apart)}"
     layout = step_cost.layout_error(args.model_config, args.tp)
     if layout:
         return layout
