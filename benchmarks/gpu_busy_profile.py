@@ -7,8 +7,8 @@ for ``SPAN`` steps from each step number in ``STEPS`` (comma-separated) it recor
 ``torch.profiler`` (CUDA activity only) and prints the wall time per step, the GPU busy time per step (the union
 of kernel intervals), their span, and the kernels by total time. The profiler slows the host (each kernel
 launched outside a graph is traced), so the wall times here run above the unprofiled ones; the GPU busy times
-stand. The step windows are found by wrapping ``Engine._commit`` (a diagnostic, not an engine option). Raw
-H200 output: ``results/gpu_busy_profile_h200.txt``.
+stand. The step windows are counted by one of the engine's ``observers``. Raw H200 output:
+``results/gpu_busy_profile_h200.txt``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from torchspec import engine
 from torchspec.bench import gpu_time
 from torchspec.bench.w1 import SAMPLING, warmed_up
+from torchspec.scheduler import StepPlan
 
 
 def report(prof: profile, wall_ms: float, steps: int) -> None:
@@ -50,15 +50,14 @@ def main() -> None:
     options = json.loads(rest[0]) if rest else {}
     wrapped, prompts = warmed_up(path, draft, options)
     state = {"steps": 0, "profiler": None}
-    commit = engine.Engine._commit
 
-    def windowed_commit(self, scheduler, step):
-        result = commit(self, scheduler, step)
+    def windowed(plan: StepPlan, finished: list) -> None:
+        """After each applied step: open a profile window at the chosen steps, close it ``span`` steps on."""
         state["steps"] += 1
         if state["steps"] in starts:
-            running = scheduler.running
-            context = sum(request.num_computed_tokens for request in running) / max(1, len(running))
-            window = f"window at step {state['steps']}: batch {len(running)} mean context {context:.0f}"
+            requests = [item.request for item in plan.scheduled]
+            context = sum(request.num_computed_tokens for request in requests) / max(1, len(requests))
+            window = f"window at step {state['steps']}: batch {len(requests)} mean context {context:.0f}"
             print(f"== {draft} {options} {window}")
             state["profiler"] = profile(activities=[ProfilerActivity.CUDA])
             state["profiler"].__enter__()
@@ -69,9 +68,8 @@ def main() -> None:
             state["profiler"].__exit__(None, None, None)
             report(state["profiler"], wall_ms, span)
             state["profiler"] = None
-        return result
 
-    engine.Engine._commit = windowed_commit
+    wrapped.engine.observers.append(windowed)
     torch.manual_seed(0)
     start = time.perf_counter()
     wrapped.generate_batch(prompts, max_new_tokens=int(new_tokens), min_new_tokens=int(new_tokens), **SAMPLING)

@@ -3,11 +3,10 @@
     python benchmarks/host_cprofile.py MODEL.gguf NEW_TOKENS DRAFT FIRST_STEP STEPS
 
 Runs W1's prompts (256, T=0.65, EOS held back) with ``DRAFT`` (``none`` or a policy) after a 64-token warm-up,
-and profiles the host from the ``FIRST_STEP``-th applied step (counted from the warm-up's first) for ``STEPS``
-steps; prints the functions by their own time, then the engine's by cumulative time. The profiler slows
-Python-heavy code (its times run above unprofiled ones), so compare runs of this script, not its times with a
-benchmark's. The window is found by wrapping ``Engine._commit`` (a diagnostic, not an engine option). Raw
-H200 output: ``results/host_cprofile_h200.txt``.
+and profiles the host from the ``FIRST_STEP``-th step applied after it for ``STEPS`` steps (counted by one of the
+engine's ``observers``); prints the functions by their own time, then the engine's by cumulative time. The profiler
+slows Python-heavy code (its times run above unprofiled ones), so compare runs of this script, not its times with a
+benchmark's. Raw H200 output: ``results/host_cprofile_h200.txt``.
 """
 
 from __future__ import annotations
@@ -20,8 +19,9 @@ import time
 
 import torch
 
-from torchspec import engine, sparsespec
+from torchspec import sparsespec
 from torchspec.models import load_model
+from torchspec.scheduler import StepPlan
 from torchspec.workloads import reasoning_prompt_ids
 
 
@@ -34,9 +34,9 @@ def main() -> None:
     sampling = {"do_sample": True, "temperature": 0.65}
     wrapped.generate_batch(prompts, max_new_tokens=64, min_new_tokens=64, **sampling)
     profiler, applied, started = cProfile.Profile(), [0], [0.0]
-    commit = engine.Engine._commit
 
-    def profiled_commit(self, scheduler, step):
+    def window(plan: StepPlan, finished: list) -> None:
+        """After each applied step: profile from the ``first``-th on, for ``count`` steps."""
         applied[0] += 1
         if applied[0] == first:
             started[0] = time.perf_counter()
@@ -44,10 +44,10 @@ def main() -> None:
         elif applied[0] == first + count:
             profiler.disable()
             wall = 1e3 * (time.perf_counter() - started[0]) / count
-            print(f"{draft}: {count} steps profiled at batch {len(scheduler.running)}, {wall:.1f} ms each (profiled)")
-        return commit(self, scheduler, step)
+            batch = len(plan.scheduled)
+            print(f"{draft}: {count} steps profiled, the last at batch {batch}, {wall:.1f} ms each (profiled)")
 
-    engine.Engine._commit = profiled_commit
+    wrapped.engine.observers.append(window)
     wrapped.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling)
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)

@@ -5,12 +5,13 @@ host's time in each phase of the engine loop (CUDA only).
 
 Runs W1's prompts (256, T=0.65, EOS held back) with ``DRAFT`` after a 16-token warm-up and logs every step as
 it is applied: its scheduled requests, round length, wall time since the last step applied, whether a graph was
-captured in between, and the host's milliseconds in ``Scheduler.schedule``, ``Runner.launch``, waiting on the
-read-back (``_Readback.tolist``) and ``Scheduler.commit`` over that interval (the engine plans and launches step
-N + 1 before it applies step N, so one interval holds the next step's planning and this one's commit). Writes
+captured in between, and the host's milliseconds in each phase of the engine loop over that interval
+(``Engine.host_ms``: planning, launching, reading back, which holds the wait for the device, and committing; the
+engine plans and launches step N + 1 before it applies step N, so one interval holds the next step's planning and
+this one's commit). Writes
 the per-step log to ``OUT.json`` and prints, per bucket of scheduled requests (powers of two), each kind's
-count, total and median wall time, and the median host time of each phase. The wrappers are a diagnostic, not
-engine options. Raw H200 output: ``results/step_phases_h200.txt``.
+count, total and median wall time, and the median host time of each phase. It watches the run as one of the
+engine's ``observers``. Raw H200 output: ``results/step_phases_h200.txt``.
 """
 
 from __future__ import annotations
@@ -21,31 +22,12 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
-from torchspec import engine, runner, scheduler
 from torchspec.bench.w1 import SAMPLING, warmed_up
+from torchspec.scheduler import StepPlan
 
-PHASES = {
-    "sched": (scheduler.Scheduler, "schedule"),
-    "launch": (runner.Runner, "launch"),
-    "wait": (runner._Readback, "tolist"),
-    "commit": (scheduler.Scheduler, "commit"),
-}
-
-
-def timed(owner: type, name: str, spent: collections.Counter, key: str) -> None:
-    """Wrap ``owner.name`` so that its host seconds add up in ``spent[key]``."""
-    function: Callable = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            spent[key] += time.perf_counter() - start
-
-    setattr(owner, name, wrapper)
+#: The log's name of each phase of the engine loop (``Engine.host_ms``: its host milliseconds, accumulated).
+PHASES = {"sched": "schedule", "launch": "launch", "wait": "read-back", "commit": "commit"}
 
 
 def summary(log: list[dict]) -> None:
@@ -78,30 +60,26 @@ def main() -> None:
     path, new_tokens, draft, out, *rest = sys.argv[1:]
     options = json.loads(rest[0]) if rest else {}
     wrapped, prompts = warmed_up(path, draft, options)
-    spent: collections.Counter = collections.Counter()
-    for key, (owner, name) in PHASES.items():
-        timed(owner, name, spent, key)
     log: list[dict] = []
-    commit = engine.Engine._commit
-    last = [time.perf_counter()]
+    engine = wrapped.engine
+    last = {"at": time.perf_counter(), "host_ms": dict(engine.host_ms)}
 
-    def logged_commit(self, scheduler, step):
-        result = commit(self, scheduler, step)
-        now = time.perf_counter()
+    def logged(plan: StepPlan, finished: list) -> None:
+        """After each applied step: its requests, round length, wall time and host ms per phase since the last."""
+        now, host_ms = time.perf_counter(), dict(engine.host_ms)
+        since = last["host_ms"] if last["at"] > engine.run_start else dict.fromkeys(host_ms, 0.0)  # a new run
         log.append(
             dict(
-                batch=len(step.plan.scheduled),
-                length=step.plan.round_length,
-                captures=self.runner.num_captures,
-                ms=1e3 * (now - last[0]),
-                **{key: 1e3 * spent[key] for key in PHASES},
+                batch=len(plan.scheduled),
+                length=plan.round_length,
+                captures=engine.runner.num_captures,
+                ms=1e3 * (now - max(last["at"], engine.run_start)),
+                **{key: host_ms[phase] - since[phase] for key, phase in PHASES.items()},
             )
         )
-        last[0] = now
-        spent.clear()
-        return result
+        last.update(at=now, host_ms=host_ms)
 
-    engine.Engine._commit = logged_commit
+    engine.observers.append(logged)
     start = time.perf_counter()
     wrapped.generate_batch(prompts, max_new_tokens=int(new_tokens), min_new_tokens=int(new_tokens), **SAMPLING)
     print(f"{draft} {options}: {time.perf_counter() - start:.1f} s, steps {len(log)}")

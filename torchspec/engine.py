@@ -173,9 +173,12 @@ class Engine:
         self.delayed_verify = default if config.delayed_verify is None else config.delayed_verify
         self.rounds_ahead = self.delayed_verify and ahead_capable
         self.adaptive_rounds = use_adaptive_rounds(config.adaptive_rounds, self.draft_chain)
-        self._run_start = time.perf_counter()
+        self.run_start = time.perf_counter()  # when the current (or last) run began
         self._run_steps = 0
         self.host_ms = dict.fromkeys(HOST_PHASES, 0.0)
+        # Called with each step as it is applied (its plan and the requests it finished), whoever runs the steps:
+        # a benchmark's timeline or profile window watches a run through it.
+        self.observers: list[StepCallback] = []
 
     def _auto_capacity(self, layers: Sequence[LayerSpec]) -> int:
         """The automatic pool: what free memory holds after the step workspace and the step buffers that grow with
@@ -249,7 +252,7 @@ class Engine:
         If the loop stops early (an exception, or the consumer closing the generator), running requests
         release their slots and keep the tokens generated so far, finished with an error.
         """
-        self._run_start = time.perf_counter()
+        self.run_start = time.perf_counter()
         self._run_steps = 0
         self.host_ms = dict.fromkeys(HOST_PHASES, 0.0)
         if self.tensor_parallel is not None:
@@ -317,6 +320,8 @@ class Engine:
                             draft_ms = span.ms() / forwards if span is not None else None
                             scheduler.observe_step(in_flight.plan, 1e3 * (now - since), draft_ms)
                         last_commit = now
+                        for observer in self.observers:
+                            observer(*committed)
                         yield committed
                     in_flight = launched
         finally:
@@ -373,7 +378,7 @@ class Engine:
             num_failed=sum(r.finish_reason is FinishReason.ERROR for r in requests),
             prompt_tokens=sum(r.num_prompt_tokens for r in requests),
             generated_tokens=sum(r.num_output_tokens for r in requests),
-            wall_time_s=time.perf_counter() - self._run_start,
+            wall_time_s=time.perf_counter() - self.run_start,
             steps=self._run_steps,
             host_ms=dict(self.host_ms),
             offload=None if self.runner.host is None else self.runner.host.settle(),

@@ -20,6 +20,7 @@ import torch
 from tests.torchspec.conftest import Batch, assert_no_slot_leak, generated_rows, tiny_spec
 from torchspec import sparsespec
 from torchspec.drafting import POLICIES
+from torchspec.request import SamplingParams
 from torchspec.runner import LaunchedStep
 from torchspec.scheduler import Phase, Scheduler, StepPlan
 
@@ -245,3 +246,21 @@ def test_a_step_around_a_graph_capture_does_not_teach_the_round_length(monkeypat
     assert observed, "no step's cost was reported"
     # Each capture leaves out the step applied while it ran (the first applied step has no period to report).
     assert len(observed) <= len(launches) - len(launches) // 3 + 1, (len(launches), len(observed))
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+@pytest.mark.parametrize("draft", [None, "pillar_recent"])
+def test_observers_see_each_applied_step_once_as_it_is_yielded(draft, delayed):
+    """An engine's ``observers`` (how benchmarks time and profile a run without touching its internals) get each
+    applied step's plan and finished requests: the same objects its steps generator yields, once each, in order,
+    as many as the run counts; every request finishes in exactly one of them."""
+    engine = sparsespec.wrap(SPECS[0].build(), draft=draft, delayed_verify=delayed, kv_capacity_tokens=1024).engine
+    seen = []
+    engine.observers.append(lambda plan, finished: seen.append((plan, list(finished))))
+    params = SamplingParams(max_new_tokens=40, do_sample=False)
+    requests = [engine.new_request(i, prompt, params) for i, prompt in enumerate(BATCH.prompts[:3])]
+    yielded = [(plan, list(finished)) for plan, finished in engine.steps(requests)]
+    assert len(seen) == len(yielded) == engine.stats_for(requests).steps > 3
+    for (seen_plan, seen_finished), (plan, finished) in zip(seen, yielded, strict=True):
+        assert seen_plan is plan and [id(r) for r in seen_finished] == [id(r) for r in finished]
+    assert sorted(id(r) for _, finished in seen for r in finished) == sorted(id(r) for r in requests)

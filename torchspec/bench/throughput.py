@@ -41,6 +41,8 @@ from torchspec.causal_lm import RequestOutput
 from torchspec.engine import Engine
 from torchspec.kv_cache import reclaim_device_memory
 from torchspec.models import load_model
+from torchspec.request import Request
+from torchspec.scheduler import StepPlan
 from torchspec.workloads import reasoning_prompt_ids
 
 
@@ -81,25 +83,23 @@ def time_per_output_token_ms(requests: Iterable[tuple[float, int]]) -> float:
 
 class StepTimeline:
     """Each engine step of a run: how many requests it held, its wall time, and its rounds' draft count (0: a
-    plain step); and the most KV pool slots held after a step. Attached to an engine, it records the steps its
-    ``steps`` generator yields."""
+    plain step); and the most KV pool slots held after a step. Attached to an engine (one of its ``observers``),
+    it records every step the engine applies from then on."""
 
     def __init__(self, engine: Engine) -> None:
         self.steps: list[tuple[int, float, int]] = []
         self.peak_pool_tokens = 0
-        run_steps = engine.steps
-        pool = engine.pool
+        self._engine = engine
+        self._last = 0.0  # when the last step recorded was applied
+        engine.observers.append(self.record)
 
-        def recorded(requests):
-            last = time.perf_counter()
-            for plan, finished in run_steps(requests):
-                now = time.perf_counter()
-                self.steps.append((len(plan.scheduled), now - last, plan.round_length))
-                self.peak_pool_tokens = max(self.peak_pool_tokens, pool.num_slots - pool.allocator.num_free)
-                last = now
-                yield plan, finished
-
-        engine.steps = recorded
+    def record(self, plan: StepPlan, finished: list[Request]) -> None:
+        """One applied step: its wall time since the last one (the first: since its run began)."""
+        now, pool = time.perf_counter(), self._engine.pool
+        since = max(self._last, self._engine.run_start)
+        self.steps.append((len(plan.scheduled), now - since, plan.round_length))
+        self.peak_pool_tokens = max(self.peak_pool_tokens, pool.num_slots - pool.allocator.num_free)
+        self._last = now
 
     def by_batch(self) -> list[dict]:
         """Steps grouped by batch size (powers of two: 256, 128-255, 64-127, ...): where a run's time went, and
