@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from PIL import Image
 
-from benchmarks import decode_step, host_step, step_profile
+from benchmarks import decode_step, host_step, plot_timeline, step_profile
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
 from torchspec.bench.records import parse_setting
-from torchspec.bench.throughput import device_memory_gib, main, measure
+from torchspec.bench.throughput import TRACE_FIELDS, StepTimeline, device_memory_gib, main, measure
 from torchspec.engine import HOST_PHASES
 from torchspec.kv_cache import bytes_per_token
 from torchspec.workloads import read_prompts
@@ -201,3 +204,34 @@ def test_device_memory_is_read_as_a_pool_would_find_it(monkeypatch):
     memory = device_memory_gib(torch.device("cuda", 0))
     assert memory == {"free": 70.0, "total": 140.0, "allocated": 5.0, "cached": 60.0} and calls == ["emptied"]
     assert device_memory_gib(torch.device("cpu")) is None
+
+
+def test_the_record_traces_the_batch_and_both_kv_tiers_over_the_run(tmp_path):
+    """An offload run whose pool holds fewer tokens than its requests reach: the record's timeline shows each
+    step's requests (never above the batch), the device pool's use (never above its size), the host tier holding
+    tokens at some point, and tokens moved out and back (cumulative: never falling, all back by the end);
+    ``benchmarks/plot_timeline.py`` draws it. Spaced out to at most the points asked, the trace keeps its ends."""
+    model = tiny_spec("llama", 2).build()
+    prompts = [list(range(3, 3 + n)) for n in (30, 41, 25, 36)]
+    record = measure(model, prompts, None, 40, 0.0, offload=True, kv_capacity_tokens=160, max_batch_size=4)
+    line = record["timeline"]
+    assert set(line) == set(TRACE_FIELDS) and len(line["seconds"]) == record["steps"]
+    assert line["seconds"] == sorted(line["seconds"]) and line["seconds"][-1] <= record["seconds"]
+    assert max(line["requests"]) <= 4 and max(line["pool_tokens"]) <= record["kv_capacity_tokens"]
+    assert max(line["host_tokens"]) > 0 and line["host_tokens"][-1] == 0
+    for moved in ("offloaded_tokens", "restored_tokens"):
+        assert line[moved] == sorted(line[moved]) and line[moved][-1] == record["offload"][moved] > 0
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps(record | {"setting": "none+offload"}) + "\n")
+    plot_timeline.main([str(records), str(tmp_path / "timeline.png"), "none+offload"])
+    with Image.open(tmp_path / "timeline.png") as image:
+        assert image.format == "PNG" and image.size[0] > 500
+    with pytest.raises(SystemExit, match=r"no record with a timeline in .* for pillar"):
+        plot_timeline.main([str(records), str(tmp_path / "other.png"), "pillar"])
+
+    wrapped = sparsespec.wrap(model, draft=None, kv_capacity_tokens=512)
+    timeline = StepTimeline(wrapped.engine)
+    wrapped.generate(torch.tensor([prompts[0]]), max_new_tokens=23, do_sample=False)
+    spaced = timeline.sampled_trace(points=5)
+    assert len(spaced["seconds"]) <= 6 and len(timeline.trace) > 20
+    assert spaced["seconds"][0] == timeline.trace[0][0] and spaced["seconds"][-1] == timeline.trace[-1][0]

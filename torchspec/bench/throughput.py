@@ -40,6 +40,7 @@ from torchspec.bench.records import (
 from torchspec.causal_lm import RequestOutput
 from torchspec.engine import Engine
 from torchspec.kv_cache import reclaim_device_memory
+from torchspec.kv_offload import OffloadStats
 from torchspec.models import load_model
 from torchspec.request import Request
 from torchspec.scheduler import StepPlan
@@ -81,25 +82,48 @@ def time_per_output_token_ms(requests: Iterable[tuple[float, int]]) -> float:
     return 1e3 * statistics.fmean(latency / max(tokens, 1) for latency, tokens in requests)
 
 
+#: A run's trace (``StepTimeline``), per step applied: seconds into the run, requests in the step, K/V tokens held
+#: in the device pool and in the host tier, tokens moved to the host and back so far.
+TRACE_FIELDS = ("seconds", "requests", "pool_tokens", "host_tokens", "offloaded_tokens", "restored_tokens")
+TRACE_POINTS = 400  # steps a record's trace keeps at most
+
+
 class StepTimeline:
     """Each engine step of a run: how many requests it held, its wall time, and its rounds' draft count (0: a
-    plain step); and the most KV pool slots held after a step. Attached to an engine (one of its ``observers``),
-    it records every step the engine applies from then on."""
+    plain step); the most KV pool slots held after a step; and a trace over the run's time of the requests in each
+    step, the K/V tokens held on the device and in the host tier (``offload``), and the tokens moved out and back
+    so far: where a run's batch shrinks or waits on memory. Attached to an engine (one of its ``observers``), it
+    records every step the engine applies from then on."""
 
     def __init__(self, engine: Engine) -> None:
         self.steps: list[tuple[int, float, int]] = []
         self.peak_pool_tokens = 0
+        self.trace: list[tuple[float, int, int, int, int, int]] = []  # see ``TRACE_FIELDS``
         self._engine = engine
         self._last = 0.0  # when the last step recorded was applied
         engine.observers.append(self.record)
 
     def record(self, plan: StepPlan, finished: list[Request]) -> None:
-        """One applied step: its wall time since the last one (the first: since its run began)."""
-        now, pool = time.perf_counter(), self._engine.pool
-        since = max(self._last, self._engine.run_start)
+        """One applied step: its wall time since the last one (the first: since its run began), and the trace."""
+        now, engine = time.perf_counter(), self._engine
+        since = max(self._last, engine.run_start)
         self.steps.append((len(plan.scheduled), now - since, plan.round_length))
-        self.peak_pool_tokens = max(self.peak_pool_tokens, pool.num_slots - pool.allocator.num_free)
+        pool_tokens = engine.pool.num_slots - engine.pool.allocator.num_free
+        self.peak_pool_tokens = max(self.peak_pool_tokens, pool_tokens)
+        moved = engine.runner.host.stats if engine.runner.host is not None else OffloadStats()
+        host_tokens = moved.offloaded_tokens - moved.restored_tokens
+        self.trace.append(
+            (now - engine.run_start, len(plan.scheduled), pool_tokens, host_tokens, moved.offloaded_tokens,
+             moved.restored_tokens)
+        )  # fmt: skip
         self._last = now
+
+    def sampled_trace(self, points: int = TRACE_POINTS) -> dict[str, list]:
+        """The trace at ``points`` steps at most, evenly spaced from the first (a W1 run has ~8K steps), and the
+        last, as one list per field (``TRACE_FIELDS``)."""
+        stride = max(1, -(-len(self.trace) // points))
+        kept = self.trace[::stride] + ([self.trace[-1]] if (len(self.trace) - 1) % stride else [])
+        return {name: [row[i] for row in kept] for i, name in enumerate(TRACE_FIELDS)}
 
     def by_batch(self) -> list[dict]:
         """Steps grouped by batch size (powers of two: 256, 128-255, 64-127, ...): where a run's time went, and
@@ -214,6 +238,8 @@ def measure(
         # Where the time went: the first steps (prompts, graph captures, compiles), then steps by batch size.
         "first_20_steps_s": sum(seconds for _, seconds, _ in timeline.steps[:20]),
         "steps_by_batch": timeline.by_batch(),
+        # Requests, device and host K/V tokens and tokens moved over the run (``TRACE_FIELDS``), for plot_timeline.py.
+        "timeline": timeline.sampled_trace(),
         # Graph captures of the whole call, warm-up included (a draining batch captures at new buckets).
         "graph_captures": None if graphs is None else graphs.captures.count,
         "graph_capture_s": None if graphs is None else graphs.captures.seconds,
