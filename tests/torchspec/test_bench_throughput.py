@@ -180,7 +180,8 @@ def test_throughput_record_reports_the_host_tier_and_natural_lengths(smollm2):
     record = measure(model, prompts, None, max_new_tokens=12, temperature=0.0, natural_lengths=True, offload=True)
     assert record["natural_lengths"] is True and record["generated_tokens"] <= 24
     assert record["offload"]["recomputed_tokens"] == 0 and record["offload"]["peak_device_tokens"] > 0
-    assert measure(model, prompts, None, max_new_tokens=2, temperature=0.0)["offload"] is None
+    plain = measure(model, prompts, None, max_new_tokens=2, temperature=0.0)
+    assert plain["offload"] is None and plain["copy_overlap"] is None
 
 
 def test_packaged_prompts_cycle_past_their_count():
@@ -221,6 +222,9 @@ def test_the_record_traces_the_batch_and_both_kv_tiers_over_the_run(tmp_path):
     assert max(line["host_tokens"]) > 0 and line["host_tokens"][-1] == 0
     for moved in ("offloaded_tokens", "restored_tokens"):
         assert line[moved] == sorted(line[moved]) and line[moved][-1] == record["offload"][moved] > 0
+    overlap = record["copy_overlap"]  # steps that copied against like steps that did not
+    assert overlap["steps_with_copies"] > 0 and overlap["steps_without"] > 0 and overlap["requests"] <= 4
+    assert overlap["ms_with_copies"] > 0 and overlap["ms_without"] > 0
     records = tmp_path / "records.jsonl"
     records.write_text(json.dumps(record | {"setting": "none+offload"}) + "\n")
     plot_timeline.main([str(records), str(tmp_path / "timeline.png"), "none+offload"])

@@ -125,6 +125,29 @@ class StepTimeline:
         kept = self.trace[::stride] + ([self.trace[-1]] if (len(self.trace) - 1) % stride else [])
         return {name: [row[i] for row in kept] for i, name in enumerate(TRACE_FIELDS)}
 
+    def copy_overlap(self) -> dict | None:
+        """Whether the host tier's copies slow the steps they overlap: the median wall time of steps that issued
+        copies and of those that did not, among steps of the kind most copying steps were (the same requests and
+        round length, so the two hold the same work); None when no step copied, or none of that kind did not."""
+        moved = [row[4] + row[5] for row in self.trace]
+        copying = {i for i in range(len(moved)) if moved[i] != (moved[i - 1] if i else 0)}
+        if not copying:
+            return None
+        kind = statistics.mode((self.steps[i][0], self.steps[i][2]) for i in sorted(copying))
+        same = [i for i, step in enumerate(self.steps) if (step[0], step[2]) == kind]
+        with_copies = [self.steps[i][1] for i in same if i in copying]
+        without = [self.steps[i][1] for i in same if i not in copying]
+        if not without:
+            return None
+        return {
+            "requests": kind[0],
+            "round_length": kind[1],
+            "steps_with_copies": len(with_copies),
+            "steps_without": len(without),
+            "ms_with_copies": 1e3 * statistics.median(with_copies),
+            "ms_without": 1e3 * statistics.median(without),
+        }
+
     def by_batch(self) -> list[dict]:
         """Steps grouped by batch size (powers of two: 256, 128-255, 64-127, ...): where a run's time went, and
         how many of those steps ran rounds (with drafts) and of what mean length."""
@@ -240,6 +263,8 @@ def measure(
         "steps_by_batch": timeline.by_batch(),
         # Requests, device and host K/V tokens and tokens moved over the run (``TRACE_FIELDS``), for plot_timeline.py.
         "timeline": timeline.sampled_trace(),
+        # Steps that issued host-tier copies against like steps that did not (median ms; None without copies).
+        "copy_overlap": timeline.copy_overlap(),
         # Graph captures of the whole call, warm-up included (a draining batch captures at new buckets).
         "graph_captures": None if graphs is None else graphs.captures.count,
         "graph_capture_s": None if graphs is None else graphs.captures.seconds,
