@@ -1200,6 +1200,18 @@ def test_query_sketch_rescores_a_shortlist_made_at_a_wider_step_share_whole():
     assert later.picks < first.picks and later.candidates >= policy.num_sinks + policy.shortlists.shape[-1]
 
 
+def test_query_sketch_state_never_outgrows_its_requests_contexts():
+    """A drained batch's step share of the draft budget (65,536 positions for one request) exceeds any context: the
+    picks stay within the longest request's positions and the shortlists within its candidates (W1 on the H200 tried
+    to allocate 22.7 GiB of shortlists: 8 x 32,768 picks a row)."""
+    policy = _sketch_policy(sketch_shortlist=8)
+    policy.step_share = 1 << 16
+    widths = policy.widths(8_400, 80, True)
+    assert widths.picks <= 8_400 and widths.candidates == 8_400
+    shortlists, _ = policy.prepare(256, widths, torch.device("cpu"))
+    assert shortlists.shape[-1] <= widths.candidates + 3  # whole 16-byte rows
+
+
 @pytest.mark.parametrize(("shortlist", "successors"), [(0, 0), (2, 0), (8, 2)])
 def test_query_sketch_with_room_for_picks_is_lossless(shortlist, successors, baseline, monkeypatch):
     """With a 1-token window and no sinks the budget leaves room for picks: output is draft=None's whether every

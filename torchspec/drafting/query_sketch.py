@@ -83,7 +83,8 @@ class QuerySketchPolicy(DraftPolicy):
     def widths(self, bound: int, recent: int, any_first: bool) -> ChoiceWidths:
         """The widths of a step's lists for requests of at most ``bound`` positions reading at most ``recent``
         recent positions: a first choice scores every older position, a later one its sinks and shortlist."""
-        picks = max(self.budget(bound), 1)
+        # A drained batch's step share can exceed any context: never more picks than positions.
+        picks = min(max(self.budget(bound), 1), bound)
         # A shortlist made at a wider step share (the state keeps the widest) is rescored whole.
         rescored = self.num_sinks + max(self.shortlist * picks, self.shortlists.shape[-1] if self.shortlist else 0)
         candidates = bound if any_first or not self.shortlist else min(bound, rescored)
@@ -93,7 +94,8 @@ class QuerySketchPolicy(DraftPolicy):
         """Room for the shortlists of ``table_rows`` slot-table rows at ``widths`` (kept: a graph that reads them
         is captured again when they move); returns them."""
         layers, heads = len(self.sparse_layers), self.num_kv_heads
-        rows, width = table_rows + 1, max(self.shortlist * widths.picks, 1)
+        # Whole 16-byte rows: a kernel reading them keeps one alignment (one compiled variant) as widths grow.
+        rows, width = table_rows + 1, -(-max(min(self.shortlist * widths.picks, widths.candidates), 1) // 4) * 4
         _, old_rows, _, old_width = self.shortlists.shape
         if self.shortlists.device == device and rows <= old_rows and width <= old_width:
             return self.shortlists, self.shortlist_lengths
