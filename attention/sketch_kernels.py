@@ -15,6 +15,8 @@ import triton.language as tl
 from attention.reference import LOG2E, SKETCH_LEVELS
 
 BLOCK_S = 64  # sketched keys a program scores per iteration
+MASS_CHUNK = 4 * BLOCK_S  # candidates of a row one program scores (a row's chunks run in parallel)
+MASS_CHUNKS_MERGED = 16  # chunk normalisers a program merges per iteration
 LIST_BLOCK = 128  # list entries a program writes per iteration
 MIN_DOT = 16  # the smallest dimension tl.dot takes
 
@@ -101,7 +103,7 @@ def _block_logits(
 
 
 # Widths that grow over a generation (the slot table's, a shortlist's, a step's candidates): one variant of a kernel.
-_MASS_WIDTHS = ["stride_tr", "stride_lr", "stride_lh", "stride_on", "stride_oh", "listed_width", "width"]
+_MASS_WIDTHS = ["stride_tr", "stride_lr", "stride_lh", "stride_on", "stride_oh", "listed_width", "width", "chunks"]
 _LIST_WIDTHS = [
     "stride_pn",
     "stride_ph",
@@ -121,47 +123,72 @@ _PER_REQUEST = ["Rows", "Prefix", "ListedLengths", "Skip", "Sinks", "RecentStart
 
 @triton.jit(do_not_specialize=_MASS_WIDTHS, do_not_specialize_on_alignment=_PER_REQUEST[:4])
 def _sketch_mass_kernel(
-    Q, Codes, Scales, Table, Rows, Prefix, Listed, ListedLengths, Skip, Out, stride_qn, stride_qh, stride_qg,
+    Q, Codes, Scales, Table, Rows, Prefix, Listed, ListedLengths, Skip, Stats, Out, stride_qn, stride_qh, stride_qg,
     stride_cs, stride_ch, stride_ss, stride_sh, stride_tr, stride_lr, stride_lh, stride_on, stride_oh, num_kv_heads,
-    group, listed_width, width, scale_log2,
+    group, listed_width, width, chunks, scale_log2,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, WRITE_MASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One (request, KV head) row: each query head's softmax normaliser over the row's candidates (one pass,
-    online), then each candidate's mass averaged over the group (a second pass over the sketch: it is small, and
-    the logits are never stored). Entries past the row's candidates are not written."""
-    request = tl.program_id(0) // num_kv_heads
-    head = tl.program_id(0) % num_kv_heads
+    """One chunk of ``CHUNK`` candidates of a (request, KV head) row, in one of two launches. The first
+    (``WRITE_MASS`` off) writes each query head's running maximum and normaliser over the chunk to ``Stats``; the
+    second merges its row's chunks into the row's normalisers and writes each candidate's mass averaged over the
+    group (the logits computed again: the sketch is small, and they are never stored). A row's chunks run in
+    parallel, so a long row costs what a short one does. Entries past the row's candidates are not written."""
+    row = tl.program_id(0)
+    request = row // num_kv_heads
+    head = row % num_kv_heads
     prefix = tl.load(Prefix + request)
     listed_length = tl.load(ListedLengths + request)
     total = tl.minimum(prefix + listed_length, width)  # never past the row
+    first = tl.program_id(1) * CHUNK
+    last = tl.minimum(first + CHUNK, total)
     table_row = tl.load(Rows + request).to(tl.int64)
     args = (Q, Codes, Scales, Table, Listed, request, head, table_row, prefix, total, listed_width - listed_length)
     strides = (
         stride_qn, stride_qh, stride_qg, stride_cs, stride_ch, stride_ss, stride_sh, stride_tr, stride_lr, stride_lh
     )  # fmt: skip
-    highest = tl.full((BLOCK_G,), -1.0e30, tl.float32)  # finite: a row of padding only stays NaN-free
-    sums = tl.zeros((BLOCK_G,), tl.float32)
-    for start in range(0, total, BLOCK_S):
-        logits, _ = _block_logits(
-            *args, start, scale_log2, *strides, group, HALF, BLOCK_HALF, BLOCK_G, BLOCK_S, DOT_PRECISION
-        )
-        new_highest = tl.maximum(highest, tl.max(logits, axis=1))
-        sums = sums * tl.exp2(highest - new_highest) + tl.sum(tl.exp2(logits - new_highest[:, None]), axis=1)
-        highest = new_highest
-    heads_valid = tl.arange(0, BLOCK_G) < group
-    weight = tl.where(heads_valid & (sums > 0), 1.0 / (tl.maximum(sums, 1e-30) * group), 0.0)
-    skip = tl.load(Skip + request)
-    for start in range(0, total, BLOCK_S):
-        logits, slots = _block_logits(
-            *args, start, scale_log2, *strides, group, HALF, BLOCK_HALF, BLOCK_G, BLOCK_S, DOT_PRECISION
-        )
-        mass = tl.sum(tl.exp2(logits - highest[:, None]) * weight[:, None], axis=0)
-        entries = start + tl.arange(0, BLOCK_S)
-        never = (slots < 0) | (entries < skip)
-        tl.store(
-            Out + request * stride_on + head * stride_oh + entries, tl.where(never, -1.0, mass), mask=entries < total
-        )
+    heads = tl.arange(0, BLOCK_G)
+    stats_row = Stats + row.to(tl.int64) * chunks * 2 * BLOCK_G
+    if not WRITE_MASS:
+        highest = tl.full((BLOCK_G,), -1.0e30, tl.float32)  # finite: a chunk of padding only stays NaN-free
+        sums = tl.zeros((BLOCK_G,), tl.float32)
+        for start in range(first, last, BLOCK_S):
+            logits, _ = _block_logits(
+                *args, start, scale_log2, *strides, group, HALF, BLOCK_HALF, BLOCK_G, BLOCK_S, DOT_PRECISION
+            )
+            new_highest = tl.maximum(highest, tl.max(logits, axis=1))
+            sums = sums * tl.exp2(highest - new_highest) + tl.sum(tl.exp2(logits - new_highest[:, None]), axis=1)
+            highest = new_highest
+        at = stats_row + tl.program_id(1) * 2 * BLOCK_G + heads
+        tl.store(at, highest)
+        tl.store(at + BLOCK_G, sums)
+    elif first < total:
+        highest = tl.full((BLOCK_G,), -1.0e30, tl.float32)
+        sums = tl.zeros((BLOCK_G,), tl.float32)
+        for from_chunk in range(0, chunks, BLOCK_C):
+            chunk = from_chunk + tl.arange(0, BLOCK_C)
+            at = stats_row + chunk[:, None] * 2 * BLOCK_G + heads[None, :]
+            valid = (chunk < chunks)[:, None]
+            chunk_highest = tl.load(at, mask=valid, other=-1.0e30)
+            chunk_sums = tl.load(at + BLOCK_G, mask=valid, other=0.0)
+            new_highest = tl.maximum(highest, tl.max(chunk_highest, axis=0))
+            sums = sums * tl.exp2(highest - new_highest) + tl.sum(
+                chunk_sums * tl.exp2(chunk_highest - new_highest[None, :]), axis=0
+            )
+            highest = new_highest
+        weight = tl.where((heads < group) & (sums > 0), 1.0 / (tl.maximum(sums, 1e-30) * group), 0.0)
+        skip = tl.load(Skip + request)
+        for start in range(first, last, BLOCK_S):
+            logits, slots = _block_logits(
+                *args, start, scale_log2, *strides, group, HALF, BLOCK_HALF, BLOCK_G, BLOCK_S, DOT_PRECISION
+            )
+            mass = tl.sum(tl.exp2(logits - highest[:, None]) * weight[:, None], axis=0)
+            entries = start + tl.arange(0, BLOCK_S)
+            never = (slots < 0) | (entries < skip)
+            tl.store(
+                Out + request * stride_on + head * stride_oh + entries, tl.where(never, -1.0, mass),
+                mask=entries < last,
+            )  # fmt: skip
 
 
 def sketch_mass(
@@ -177,14 +204,19 @@ def sketch_mass(
     out = torch.empty(num, num_kv_heads, width, dtype=torch.float32, device=query.device)
     if out.numel() == 0:
         return out
-    _sketch_mass_kernel[(num * num_kv_heads,)](
-        query, codes, scales, table, rows, prefix, listed, listed_lengths, skip, out, query.stride(0),
-        query.stride(1), query.stride(2), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
-        table.stride(0), listed.stride(0), listed.stride(1), out.stride(0), out.stride(1), num_kv_heads, group,
-        listed.shape[-1], width, scale * LOG2E, HALF=half, BLOCK_HALF=max(MIN_DOT, triton.next_power_of_2(half)),
-        BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_S=BLOCK_S,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+    chunks = triton.cdiv(width, MASS_CHUNK)
+    block_g = max(MIN_DOT, triton.next_power_of_2(group))
+    stats = torch.empty(num * num_kv_heads, chunks, 2, block_g, dtype=torch.float32, device=query.device)
+    for write_mass in (False, True):
+        _sketch_mass_kernel[(num * num_kv_heads, chunks)](
+            query, codes, scales, table, rows, prefix, listed, listed_lengths, skip, stats, out, query.stride(0),
+            query.stride(1), query.stride(2), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
+            table.stride(0), listed.stride(0), listed.stride(1), out.stride(0), out.stride(1), num_kv_heads, group,
+            listed.shape[-1], width, chunks, scale * LOG2E, HALF=half,
+            BLOCK_HALF=max(MIN_DOT, triton.next_power_of_2(half)), BLOCK_G=block_g, BLOCK_S=BLOCK_S,
+            CHUNK=MASS_CHUNK, BLOCK_C=MASS_CHUNKS_MERGED, WRITE_MASS=write_mass,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        )  # fmt: skip
     return out
 
 

@@ -106,7 +106,7 @@ class SpeculationStats:
     context_per_round: list[int] = field(default_factory=list)  # context length at each of those verifies
 
 
-@dataclass
+@dataclass(eq=False)  # one request is one object: found in the scheduler's lists by identity, not by its fields
 class Request:
     """State of one generation request inside the engine.
 

@@ -322,8 +322,7 @@ class Runner:
             # row it gets at its first step counts the copied positions computed.
             sources = [slot for _, slots in plan.forks for slot in slots]
             self.pool.copy(sources, [slot for request, slots in plan.forks for slot in request.slots[: len(slots)]])
-        for request in plan.grown:
-            self.table.extend(request)
+        self.table.extend(plan.grown)
         for request in plan.stopped:
             self.release(request)
 

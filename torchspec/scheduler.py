@@ -505,7 +505,7 @@ class Scheduler:
             self._offload(request)
         blocked = set(self._leaving)
         for request in list(self.running):
-            if request not in self.running or id(request) in blocked:
+            if request.status is not RequestStatus.RUNNING or id(request) in blocked:  # it left for the host
                 continue
             short = self._slots_needed(request) - len(request.slots)
             if short <= 0:
@@ -521,7 +521,7 @@ class Scheduler:
                     freeing += len(victim.slots)
                 else:
                     self._offload(victim)
-            if request not in self.running:  # it was the newest: it left
+            if request.status is not RequestStatus.RUNNING:  # it was the newest: it left
                 continue
             if short > self.allocator.num_free:
                 blocked.add(id(request))

@@ -42,13 +42,16 @@ def test_store_writes_the_reference_codes_at_the_slots_only(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("group", "width"), [(3, 70), (1, 5), (8, 130)])
+@pytest.mark.parametrize(("group", "width"), [(3, 70), (1, 5), (8, 130), (2, 4400)])
 def test_sketch_mass_matches_the_reference(dtype, group, width):
     """A row's candidates are a prefix of its positions, then listed ones, at its slot-table row's slots: each gets
     its group's mass; padding (-1 positions, unwritten slots) takes no part and gets -1, as do the first ``skip``
-    entries, which still weigh in; entries past a row's candidates are left to the reader (``lengths``)."""
+    entries, which still weigh in; entries past a row's candidates are left to the reader (``lengths``). A long
+    row is scored in chunks (``MASS_CHUNK``), its normalisers merged ``MASS_CHUNKS_MERGED`` chunks at a time."""
     torch.manual_seed(1)
-    heads, head_dim, num_slots, positions = 2, 64, 200, 150
+    heads, head_dim = 2, 64
+    positions = max(150, width)
+    num_slots = positions + 50
     k_cache = torch.randn(num_slots, heads, head_dim).to(dtype)
     codes, scales = _sketched(k_cache, torch.arange(num_slots), reference.store_key_sketch)
     table = torch.randint(num_slots, (5, positions))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from torchspec.request import Request, SamplingParams
@@ -52,3 +54,29 @@ def test_gather_and_lookup_follow_the_requests_slots_through_growth_and_reuse():
     table.reset()
     fresh = [_request(100 + i) for i in range(10)]
     assert sorted(table.row(r) for r in fresh) == list(range(10))
+
+
+def test_extend_writes_every_requests_new_slots_in_one_call():
+    """Requests admitted by use (``offload``) are topped up a chunk at a time, hundreds a step, all written in one
+    call: each row then holds its request's whole slot list, past the table's width too; a request with nothing
+    new, or without a row yet, is left alone (the latter gets its slots when it takes a row)."""
+    table = SlotTable(torch.device("cpu"))
+    requests = [_request(i, list(range(100 * i, 100 * i + 20))) for i in range(4)]
+    rows = [table.row(r) for r in requests]
+    requests[0].slots = requests[0].slots + list(range(5000, 5300))  # past the table's width (256)
+    requests[2].slots = [*requests[2].slots, 7, 8, 9]
+    rowless = _request(9, [1, 2])
+    rowless.slots = [*rowless.slots, 3]
+    table.extend([*requests, rowless])
+    for request, row in zip(requests, rows, strict=True):
+        assert table.gather([row], [0], [len(request.slots)])[1].tolist() == request.slots
+    assert table.gather([table.row(rowless)], [0], [3])[1].tolist() == [1, 2, 3]
+
+
+def test_requests_are_told_apart_by_identity():
+    """The scheduler looks requests up in its running list; two with equal fields are still two requests, and a
+    lookup never compares their fields (at 1,024 requests admitted by use, field-by-field comparisons made
+    scheduling a step take 465 ms on the H200)."""
+    first = _request(1, [4, 5])
+    twin = copy.copy(first)  # every field equal
+    assert first != twin and twin not in [first] and first in [twin, first]
