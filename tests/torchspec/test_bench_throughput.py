@@ -12,7 +12,7 @@ from benchmarks import decode_step, host_step, plot_timeline, step_profile
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
 from torchspec.bench.records import parse_setting
-from torchspec.bench.throughput import TRACE_FIELDS, StepTimeline, device_memory_gib, main, measure
+from torchspec.bench.throughput import REQUEST_FIELDS, TRACE_FIELDS, StepTimeline, device_memory_gib, main, measure
 from torchspec.engine import HOST_PHASES
 from torchspec.kv_cache import bytes_per_token
 from torchspec.workloads import read_prompts
@@ -182,6 +182,23 @@ def test_throughput_record_reports_the_host_tier_and_natural_lengths(smollm2):
     assert record["offload"]["recomputed_tokens"] == 0 and record["offload"]["peak_device_tokens"] > 0
     plain = measure(model, prompts, None, max_new_tokens=2, temperature=0.0)
     assert plain["offload"] is None and plain["copy_overlap"] is None
+
+
+def test_a_run_stopped_at_its_time_limit_records_what_it_made():
+    """A run past ``time_limit_s`` (0: after its first applied step) stops and is recorded as it stood: not
+    completed, its steps, tokens and rate, the host tier's counters and the time line, none of the fields read
+    from each request's output (they never returned); the next run in the process completes."""
+    model = tiny_spec("llama", 2).build()
+    prompts = [list(range(3, 3 + n)) for n in (30, 41, 25, 36)]
+    options = {"offload": True, "kv_capacity_tokens": 160, "max_batch_size": 4}
+    stopped = measure(model, prompts, "pillar_recent", 40, 0.0, time_limit_s=0.0, **options)
+    assert stopped["completed"] is False and stopped["time_limit_s"] == 0.0 and stopped["steps"] == 1
+    assert len(stopped["timeline"]["seconds"]) == 1 and stopped["offload"]["recomputed_tokens"] == 0
+    assert 0 < stopped["generated_tokens"] <= len(prompts) and stopped["tokens_per_s"] > 0
+    assert all(stopped[name] is None for name in REQUEST_FIELDS)
+    finished = measure(model, prompts, "pillar_recent", 40, 0.0, time_limit_s=600.0, **options)
+    assert finished["completed"] is True and finished["generated_tokens"] == 4 * 40
+    assert finished["steps"] > stopped["steps"] and finished["acceptance_by_context"]
 
 
 def test_packaged_prompts_cycle_past_their_count():

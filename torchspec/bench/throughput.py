@@ -14,12 +14,14 @@ generates ``--warmup-tokens`` tokens for every prompt (untimed, recorded as ``wa
 (Triton and FlexAttention compiles, the full batch's graph captures) would otherwise fall on whichever setting
 runs first; captures for the smaller batches of the tail stay in the timed run, as in a real job. One JSON
 line per draft setting: wall time, generated tokens per second, engine steps, mean accepted drafts per round,
-peak device memory.
+peak device memory. ``--time-limit SECONDS`` stops a setting's timed run that is still going by then and records it
+as it stood (``completed: false``: its rate, counters and time line), for a device lent by the minute.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -86,6 +88,19 @@ def time_per_output_token_ms(requests: Iterable[tuple[float, int]]) -> float:
 #: in the device pool and in the host tier, tokens moved to the host and back so far.
 TRACE_FIELDS = ("seconds", "requests", "pool_tokens", "host_tokens", "offloaded_tokens", "restored_tokens")
 TRACE_POINTS = 400  # steps a record's trace keeps at most
+#: A record's fields read from each request's output (None when a run stopped at its time limit).
+REQUEST_FIELDS = (
+    "time_per_output_token_ms",
+    "acceptance_by_context",
+    "latency_s_p50_p90_max",
+    "request_accepted_p10_p50_p90",
+    "slowest_requests",
+)
+
+
+class TimeLimitReached(Exception):
+    """A timed run stopped at its time limit (raised by the timeline's observer, inside the engine's loop, which
+    ends its running requests keeping their tokens)."""
 
 
 class StepTimeline:
@@ -93,14 +108,17 @@ class StepTimeline:
     plain step); the most KV pool slots held after a step; and a trace over the run's time of the requests in each
     step, the K/V tokens held on the device and in the host tier (``offload``), and the tokens moved out and back
     so far: where a run's batch shrinks or waits on memory. Attached to an engine (one of its ``observers``), it
-    records every step the engine applies from then on."""
+    records every step the engine applies from then on. With ``time_limit_s``, it stops the run once that much
+    time has passed (``TimeLimitReached``), keeping every request it saw for the record of what was made."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, time_limit_s: float | None = None) -> None:
         self.steps: list[tuple[int, float, int]] = []
         self.peak_pool_tokens = 0
         self.trace: list[tuple[float, int, int, int, int, int]] = []  # see ``TRACE_FIELDS``
         self._engine = engine
         self._last = 0.0  # when the last step recorded was applied
+        self.time_limit_s = time_limit_s
+        self.requests: dict[int, Request] = {}  # by id(): every request a step held (with a time limit only)
         engine.observers.append(self.record)
 
     def record(self, plan: StepPlan, finished: list[Request]) -> None:
@@ -117,6 +135,10 @@ class StepTimeline:
              moved.restored_tokens)
         )  # fmt: skip
         self._last = now
+        if self.time_limit_s is not None:
+            self.requests.update((id(item.request), item.request) for item in plan.scheduled)
+            if now - engine.run_start > self.time_limit_s:
+                raise TimeLimitReached
 
     def sampled_trace(self, points: int = TRACE_POINTS) -> dict[str, list]:
         """The trace at ``points`` steps at most, evenly spaced from the first (a W1 run has ~8K steps), and the
@@ -178,6 +200,22 @@ def device_memory_gib(device: torch.device) -> dict[str, float] | None:
     return {name: value / 2**30 for name, value in sizes.items()}
 
 
+def _request_fields(outputs: Sequence[RequestOutput] | None) -> dict:
+    """A record's fields read from each request's output; None for a run stopped at its time limit (its requests
+    never returned)."""
+    if outputs is None:
+        return dict.fromkeys(REQUEST_FIELDS)
+    return {
+        "time_per_output_token_ms": time_per_output_token_ms((o.stats.latency_s, len(o.token_ids)) for o in outputs),
+        "acceptance_by_context": context_bins(_rounds(outputs)),
+        # The batch's tail: a run lasts as long as its slowest request; per-request spread of both.
+        "latency_s_p50_p90_max": _quantiles([o.stats.latency_s for o in outputs], (0.5, 0.9, 1.0)),
+        "request_accepted_p10_p50_p90": _quantiles([o.stats.mean_accepted for o in outputs], (0.1, 0.5, 0.9)),
+        # The requests that set the run's length: a round costs about the same for one request as for many.
+        "slowest_requests": [_request_summary(o) for o in sorted(outputs, key=lambda o: o.stats.latency_s)[-2:]],
+    }
+
+
 def _request_summary(output: RequestOutput) -> dict[str, float]:
     stats = output.stats
     return {"rounds": stats.speculation.num_rounds, "mean_accepted": stats.mean_accepted, "latency_s": stats.latency_s}
@@ -193,10 +231,13 @@ def measure(
     warmup_tokens: int = 0,
     natural_lengths: bool = False,
     max_batch_size: int | None = None,
+    time_limit_s: float | None = None,
     **options,
 ) -> dict:
     """One ``generate_batch`` over ``prompts`` with ``draft``, at most ``max_batch_size`` requests at once (None:
-    all of them), after an untimed one of ``warmup_tokens`` tokens each when asked; its throughput record."""
+    all of them), after an untimed one of ``warmup_tokens`` tokens each when asked; its throughput record. A run
+    still going after ``time_limit_s`` stops there and is recorded as it stood (``completed`` false: its rate,
+    counters and time line, not the fields read from each request's output)."""
     device = next(model.parameters()).device
     wrapped = sparsespec.wrap(model, draft=draft, max_batch_size=max_batch_size or len(prompts), **options)
     memory_before = device_memory_gib(device)  # what the engine, built at the first call, sizes its pool from
@@ -217,18 +258,24 @@ def measure(
         warmup_start = time.perf_counter()
         generate(warmup_tokens)
         warmup_s = time.perf_counter() - warmup_start
-    timeline = StepTimeline(wrapped.engine)
+    timeline = StepTimeline(wrapped.engine, time_limit_s)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(seed)  # after the warm-up: the timed run samples the same with or without one
     start, cpu_start = time.perf_counter(), time.process_time()
-    with KernelCompiles() as compiles:
+    outputs: list[RequestOutput] | None = None
+    # Stopped at the time limit, its requests keep what they made, counted below from those the timeline saw.
+    with KernelCompiles() as compiles, contextlib.suppress(TimeLimitReached):
         outputs = generate(max_new_tokens)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    stats = wrapped.last_stats
+    if outputs is None:
+        stats = wrapped.engine.stats_for(list(timeline.requests.values()))
+        generated = stats.generated_tokens
+    else:
+        stats = wrapped.last_stats
+        generated = sum(len(o.token_ids) for o in outputs)
     graphs = wrapped.engine.runner.graphs
-    generated = sum(len(o.token_ids) for o in outputs)
     return {
         "draft": draft,
         "requests": len(prompts),
@@ -240,10 +287,11 @@ def measure(
         "natural_lengths": natural_lengths,  # EOS respected (else held back to max_new_tokens)
         "warmup_tokens": warmup_tokens,
         "warmup_s": warmup_s,
+        "completed": outputs is not None,  # false: stopped at time_limit_s
+        "time_limit_s": time_limit_s,
         "generated_tokens": generated,
         "seconds": seconds,
         "tokens_per_s": generated / seconds,
-        "time_per_output_token_ms": time_per_output_token_ms((o.stats.latency_s, len(o.token_ids)) for o in outputs),
         "steps": stats.steps,
         "ms_per_step": 1e3 * seconds / max(stats.steps, 1),
         "cpu_ms_per_step": 1e3 * cpu_seconds / max(stats.steps, 1),  # host time (all threads) per engine step
@@ -252,12 +300,7 @@ def measure(
         "options": {name: str(value) for name, value in options.items()},
         "mean_accepted": stats.mean_accepted,
         "accepted_histogram": list(stats.accepted_histogram),  # rounds that accepted 0, 1, ..., k drafts
-        "acceptance_by_context": context_bins(_rounds(outputs)),
-        # The batch's tail: a run lasts as long as its slowest request; per-request spread of both.
-        "latency_s_p50_p90_max": _quantiles([o.stats.latency_s for o in outputs], (0.5, 0.9, 1.0)),
-        "request_accepted_p10_p50_p90": _quantiles([o.stats.mean_accepted for o in outputs], (0.1, 0.5, 0.9)),
-        # The requests that set the run's length: a round costs about the same for one request as for many.
-        "slowest_requests": [_request_summary(o) for o in sorted(outputs, key=lambda o: o.stats.latency_s)[-2:]],
+        **_request_fields(outputs),
         # Where the time went: the first steps (prompts, graph captures, compiles), then steps by batch size.
         "first_20_steps_s": sum(seconds for _, seconds, _ in timeline.steps[:20]),
         "steps_by_batch": timeline.by_batch(),
@@ -301,6 +344,11 @@ def main(argv: list[str] | None = None) -> None:
         default=["none", "pillar_recent"],
         help="runs, each a draft policy or none, optionally with +switch / -switch (e.g. pillar_recent+compile)",
     )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        help="seconds a timed run may take: one still going then stops and is recorded as it stood (completed: false)",
+    )
     add_model_arguments(parser)
     add_engine_arguments(parser)
     parser.add_argument("--out", help="append one JSON line per draft setting")
@@ -321,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
             args.temperature,
             warmup_tokens=args.warmup_tokens,
             natural_lengths=args.natural_lengths,
+            time_limit_s=args.time_limit,
             **options,
         )
         record["setting"] = text
@@ -328,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{text}: {record['generated_tokens']} tokens in {record['seconds']:.1f} s, "
             f"{record['tokens_per_s']:.1f} tok/s, {record['steps']} steps ({record['ms_per_step']:.1f} ms, "
             f"host {record['cpu_ms_per_step']:.1f} ms each), mean accepted {record['mean_accepted']:.2f}"
+            + ("" if record["completed"] else f" (stopped at the {args.time_limit:g} s time limit)")
         )
         append_record(args.out, record)
 
