@@ -1,6 +1,7 @@
 """Triton kernels of the int4 key sketch (``attention.reference.SKETCH_LEVELS``): written beside the K/V as keys
 are stored, and read by a query-aware draft that scores every cached key of a request for one query (the mass a
-GQA group would give each, ``sketch_mass``: logits, softmax and group mean in one kernel, nothing stored between).
+GQA group would give each, ``sketch_mass``: logits, softmax and group mean in one kernel over chunks of a row run
+in parallel, launched twice: per-chunk maxima and normalisers are all it stores between, never the logits).
 
 Scoring reads 36 bytes a key and KV head (32 of codes, a 4-byte scale) where the keys themselves take 128 at
 head_dim 64: a draft that chooses its positions from its own query reads this, not K.

@@ -1,9 +1,10 @@
 """GPU micro-benchmark of query_sketch's choice in one layer at W1's shapes: 256 draft requests, SmolLM2's 3 KV heads
 of 64 (GQA groups of 3), contexts spread over 160-8,352 positions (mean ~4.2K), sparsity 0.05 with the GPU's step
 share (256 positions), an 8x shortlist. A round's first draft scores every older position and keeps its shortlist;
-a later one rescores its sinks and shortlist. Each op timed alone (``torch.cuda.Event``s over 20 calls), then the
-layer's whole choice, and a round's estimate (30 layers x (one first + 7 later choices)). Random keys; CUDA only;
-one JSON record per line.
+a later one rescores its sinks and shortlist; slots laid out as an allocator hands them out (one contiguous run a
+request) and at random. Each op timed alone (``torch.cuda.Event``s over 20 calls), then the layer's whole choice,
+and a round's estimate (30 layers x (one first + 7 later choices)). Random keys; CUDA only; one JSON record per
+line.
 
     python benchmarks/sketch_choice_micro.py > benchmarks/results/sketch_choice_micro_h200.jsonl
 """
@@ -83,7 +84,7 @@ def main() -> None:
         query=torch.randn(REQUESTS, HEADS, GROUP, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16),
         codes=codes,
         scales=scales,
-        table=torch.randperm(slots, device=DEVICE).view(REQUESTS, LONGEST),
+        table=torch.empty(0, dtype=torch.int64, device=DEVICE),  # each layout's below
         rows=torch.arange(REQUESTS, device=DEVICE),
         listed=torch.full((REQUESTS + 1, HEADS, SHORTLIST * picks), -1, dtype=torch.int32, device=DEVICE),
         sinks=sinks,
@@ -93,13 +94,27 @@ def main() -> None:
         picks=picks,
     )
     kept = torch.minimum(count * SHORTLIST, older - sinks)
-    first = time_choice(batch, older, torch.zeros_like(older), LONGEST, kept)  # writes the shortlists
-    later = time_choice(batch, sinks, kept, SINKS + batch.listed.shape[-1], None)
-    for name, timings in (("first", first), ("later", later)):
-        record = {"choice": name, "requests": REQUESTS, "mean_context": float(contexts.float().mean())}
-        print(json.dumps(record | {"ms": {key: round(value, 4) for key, value in timings.items()}}))
-    round_ms = 30 * (first["layer"] + (K - 1) * later["layer"])
-    print(json.dumps({"round_estimate_ms": round(round_ms, 3), "layers": 30, "later_choices": K - 1}))
+    # Slots as a run's allocator hands them out (a request's worst case at admission: one contiguous run), and
+    # scattered at random (a pool after much offloading): the scoring gathers a key's 36 bytes from its slot.
+    for layout, table in (
+        ("contiguous", torch.arange(slots, device=DEVICE).view(REQUESTS, LONGEST)),
+        ("random", torch.randperm(slots, device=DEVICE).view(REQUESTS, LONGEST)),
+    ):
+        batch.table = table
+        first = time_choice(batch, older, torch.zeros_like(older), LONGEST, kept)  # writes the shortlists
+        later = time_choice(batch, sinks, kept, SINKS + batch.listed.shape[-1], None)
+        for name, timings in (("first", first), ("later", later)):
+            record = {
+                "choice": name,
+                "slots": layout,
+                "requests": REQUESTS,
+                "mean_context": float(contexts.float().mean()),
+            }
+            print(json.dumps(record | {"ms": {key: round(value, 4) for key, value in timings.items()}}))
+        round_ms = 30 * (first["layer"] + (K - 1) * later["layer"])
+        print(
+            json.dumps({"slots": layout, "round_estimate_ms": round(round_ms, 3), "layers": 30, "later_choices": K - 1})
+        )
 
 
 if __name__ == "__main__":

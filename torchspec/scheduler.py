@@ -527,7 +527,7 @@ class Scheduler:
                 blocked.add(id(request))
                 continue
             grant = min(max(short, SLOT_CHUNK), self.reservation(request) - len(request.slots), self.allocator.num_free)
-            request.slots = request.slots + self.allocator.allocate(grant)
+            request.slots.extend(self.allocator.allocate(grant))  # in place: a copy would cost the whole context
             self._moves.grown.append(request)
             self._note_use()
         return blocked
