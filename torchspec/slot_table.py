@@ -62,6 +62,7 @@ class SlotTable:
         when it is given one), in one copy and one scatter for all of them: a batch admitted by use tops up
         hundreds of requests a step."""
         rows, columns, slots = [], [], []
+        widest = 0
         for request in requests:
             row = request.table_row
             if row is None or len(request.slots) <= self._written[row]:
@@ -71,20 +72,23 @@ class SlotTable:
             columns.append(np.arange(written, end, dtype=np.int64))
             slots.append(np.asarray(request.slots[written:], dtype=np.int64))
             self._written[row] = end
+            widest = max(widest, end)
         if not rows:
             return
-        width = max(self._written.values())
-        if width > self.slots.shape[1]:
-            self._grow(rows=self.slots.shape[0], width=max(width, 2 * self.slots.shape[1], 256))
+        self._fit(widest)
         row, column, slot = to_device(np.stack([np.concatenate(part) for part in (rows, columns, slots)]), self.device)
         self.slots[row, column] = slot
 
     def _write(self, row: int, slots: Sequence[int], start: int) -> None:
         end = start + len(slots)
-        if end > self.slots.shape[1]:
-            self._grow(rows=self.slots.shape[0], width=max(end, 2 * self.slots.shape[1], 256))
+        self._fit(end)
         self.slots[row, start:end] = to_device(slots, self.device)
         self._written[row] = end
+
+    def _fit(self, width: int) -> None:
+        """Widen the table to hold ``width`` slots a row, at least doubling it (a few regrowths a generation)."""
+        if width > self.slots.shape[1]:
+            self._grow(rows=self.slots.shape[0], width=max(width, 2 * self.slots.shape[1], 256))
 
     def release(self, request: Request) -> None:
         """Give a finished request's row back."""
