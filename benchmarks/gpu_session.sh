@@ -4,7 +4,7 @@
 #   tests       the GPU tests (kernels, sampling, graphs, benchmarks, Triton backend, offload), ~80 s
 #   w1          W1 warm: none and pillar_recent (docs/performance.md), ~300 s
 #   w3          W3, EOS held back (1,024 requests x 8,192 tokens), for each SETTING given after PART (default:
-#               pillar_recent, then pillar_recent+offload; one W3 setting takes ~5 minutes, so one per call)
+#               pillar_recent, then pillar_recent+offload; a W3 setting takes 2.5-3 minutes on an H200)
 #   w3-natural  W3 with EOS respected
 # Records land in OUT_DIR as JSON lines (written as each setting ends, so a part cut at its limit keeps the
 # settings it finished).
@@ -14,9 +14,11 @@ shift 3
 settings=("$@")
 [ ${#settings[@]} -gt 0 ] || settings=(pillar_recent pillar_recent+offload)
 mkdir -p "$out"
-w3() {
-    python3 -m torchspec.bench.throughput --model "$model" --prompts 1024 --max-new-tokens 8192 --temperature 0.65 \
-        --drafts "${settings[@]}" "$@"
+w3() {  # one process per setting: a W3 run leaves ~36 GB on the device that the next one's automatic pool would miss
+    for setting in "${settings[@]}"; do
+        python3 -m torchspec.bench.throughput --model "$model" --prompts 1024 --max-new-tokens 8192 --temperature 0.65 \
+            --drafts "$setting" "$@"
+    done
 }
 case $part in
 tests)

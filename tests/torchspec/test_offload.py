@@ -19,8 +19,10 @@ import torch
 from tests.torchspec.conftest import Batch, assert_no_slot_leak, generate_checking_key_sketches, tiny_spec
 from torchspec import sparsespec
 from torchspec.config import DRAFT_POLICIES
-from torchspec.request import SamplingParams
-from torchspec.scheduler import Phase
+from torchspec.kv_cache import SlotAllocator
+from torchspec.kv_offload import OffloadStats
+from torchspec.request import FinishReason, Request, SamplingParams
+from torchspec.scheduler import RESTORE_POOL_SHARE, RESTORE_ROUNDS, Phase, ScheduledRequest, Scheduler, StepPlan
 
 SPEC = tiny_spec("llama", 2)
 BATCH = Batch((40, 77, 9, 50, 31, 23), seed=3)
@@ -185,3 +187,54 @@ def test_offload_on_cuda_copies_on_the_side_stream_and_gives_the_same_tokens(dra
     assert torch.equal(expected, actual), f"{actual}\n{expected}"
     _assert_moved(wrapped)
     assert wrapped.last_stats.offload.copy_s > 0, wrapped.last_stats.offload
+
+
+def _decoding_requests(count: int, prompt: int, generated: int) -> tuple[Scheduler, list[Request]]:
+    """A scheduler of plain decoding (a round is one token) whose pool is full with ``count`` admitted requests,
+    each then ``generated`` tokens further along and so short of slots for its next two rounds."""
+    allocator = SlotAllocator(count * (prompt + 2) + count)  # admission leaves a round spare
+    scheduler = Scheduler(allocator, count, 4096, None, 0, offload=OffloadStats(), host_capacity_tokens=10**6)
+    params = SamplingParams(max_new_tokens=1000, min_new_tokens=1000)
+    requests = [Request(i, [1] * prompt, params) for i in range(count)]
+    for request in requests:
+        scheduler.add(request)
+    scheduler.schedule()  # admits every one of them
+    assert scheduler.running == requests
+    allocator.allocate(allocator.num_free)  # held elsewhere: the pool is full
+    for request in requests:
+        request.token_ids += [2] * generated
+        request.num_computed_tokens = len(request.token_ids) - 1
+    return scheduler, requests
+
+
+def test_a_full_pool_sends_out_only_the_requests_its_short_ones_need():
+    """Every request a little short, each with a step in flight: the newest one leaves (after its step) and its
+    slots serve all the others, which sit one step out; the pool does not send one request out per short one."""
+    scheduler, requests = _decoding_requests(12, prompt=400, generated=10)
+    in_flight = StepPlan([ScheduledRequest(r, Phase.VERIFY, 1) for r in requests])
+    assert scheduler.schedule(in_flight).scheduled == []  # short, or leaving once the step in flight is read back
+    plan = scheduler.schedule()
+    assert [request for request, _ in plan.offloads] == [requests[-1]]
+    assert {item.request for item in plan.scheduled} == set(requests[:-1])
+    assert plan.restores == [] and scheduler.offloaded == [requests[-1]]
+
+
+def test_a_request_sent_out_comes_back_once_the_pool_carries_the_batch_for_a_while():
+    """Slots freed by a finishing request bring a request on the host back only with room besides for the running
+    batch's next RESTORE_ROUNDS rounds (at most a share of the pool): with room for one round, the pool was short
+    again at once and requests traded places every step."""
+    scheduler, requests = _decoding_requests(12, prompt=400, generated=10)
+    scheduler.schedule()
+    back, allocator = requests[-1], scheduler.allocator
+    assert scheduler.offloaded == [back]
+
+    def room() -> int:
+        return min(RESTORE_ROUNDS * len(scheduler.running), allocator.num_slots // RESTORE_POOL_SHARE)
+
+    need = len(back.token_ids) + 2  # its tokens and two rounds of one token
+    scheduler.finish(requests[0], FinishReason.LENGTH)
+    assert need + len(scheduler.running) <= allocator.num_free < need + room()
+    assert scheduler.schedule().restores == []
+    scheduler.finish(requests[1], FinishReason.LENGTH)
+    assert allocator.num_free >= need + room()
+    assert scheduler.schedule().restores == [back]
