@@ -22,7 +22,7 @@ from torchspec.kv_cache import (
     step_list_bytes,
     step_workspace_bytes,
 )
-from torchspec.kv_offload import OffloadStats, auto_host_capacity_tokens
+from torchspec.kv_offload import RESTORE_STAGING_BYTES, OffloadStats, auto_host_capacity_tokens, restore_step_tokens
 from torchspec.parallel.group import TensorParallel
 from torchspec.request import FinishReason, Request, SamplingParams
 from torchspec.runner import LaunchedStep, Runner
@@ -157,10 +157,11 @@ class Engine:
             offload=config.offload,
         )
         self.host_kv_capacity_tokens = 0  # the host tier's K/V rows (``offload``)
+        self.restore_step_tokens: int | None = None  # K/V rows a step brings back from there, at most
         if config.offload:
-            self.host_kv_capacity_tokens = config.host_kv_capacity_tokens or auto_host_capacity_tokens(
-                bytes_per_token(layers, self.dtype, self._sketched)
-            )
+            token_bytes = bytes_per_token(layers, self.dtype, self._sketched)
+            self.host_kv_capacity_tokens = config.host_kv_capacity_tokens or auto_host_capacity_tokens(token_bytes)
+            self.restore_step_tokens = restore_step_tokens(token_bytes)
             if tensor_parallel is not None:
                 self.host_kv_capacity_tokens = tensor_parallel.agree_min(self.host_kv_capacity_tokens)
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy, config.unified_schedule)
@@ -182,7 +183,8 @@ class Engine:
 
     def _auto_capacity(self, layers: Sequence[LayerSpec]) -> int:
         """The automatic pool: what free memory holds after the step workspace and the step buffers that grow with
-        the batch and its contexts (a draft chain's lists for its k - 1 later forwards, the verify mass)."""
+        the batch and its contexts (a draft chain's lists for its k - 1 later forwards, the verify mass) and, with
+        ``offload``, the restores' staging."""
         config, k, policy = self.config, self.num_draft_slots, self.policy
         heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
         context_bound = self.context_length or DEFAULT_CONTEXT_BOUND
@@ -196,6 +198,8 @@ class Engine:
             scored=policy is not None and policy.uses_verify_scores,
         )
         workspace = step_workspace_bytes(self.max_step_tokens, config.max_batch_size, k, self.vocab_size)
+        if config.offload:  # restores staged for the step in flight and the one launched behind it
+            workspace += 2 * RESTORE_STAGING_BYTES
         return auto_capacity_tokens(
             layers,
             self.dtype,
@@ -271,6 +275,7 @@ class Engine:
             offload=self._new_offload_stats(),
             host_capacity_tokens=self.host_kv_capacity_tokens,
             draft_step_budget=self.draft_step_budget,
+            restore_step_tokens=self.restore_step_tokens,
         )
         for request in requests:
             if request.is_finished:

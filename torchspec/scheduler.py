@@ -217,6 +217,7 @@ class Scheduler:
         offload: OffloadStats | None = None,
         host_capacity_tokens: int = 0,
         draft_step_budget: int = 0,
+        restore_step_tokens: int | None = None,
     ) -> None:
         self.allocator = allocator
         self.draft_step_budget = draft_step_budget  # KV tokens a step's drafts read together, shared out
@@ -224,6 +225,8 @@ class Scheduler:
         self.offload = offload
         self.host_capacity_tokens = host_capacity_tokens
         self.host_tokens = 0  # K/V rows of the requests on the host
+        # K/V rows a step brings back at most, after its first request (None: no bound).
+        self.restore_step_tokens = restore_step_tokens
         self.offloaded: list[Request] = []  # waiting to come back, oldest admission first
         self._leaving: set[int] = set()  # id() of requests to offload once their step in flight is read back
         self._admission: dict[int, int] = {}  # id() of a request in the pool or on the host -> admission order
@@ -455,7 +458,9 @@ class Scheduler:
     def _admit(self) -> None:
         """Start waiting requests while the batch and the pool have room: with ``offload``, those on the host
         first (oldest first), each with the slots of its next two rounds and room left for the running requests'
-        next ``RESTORE_ROUNDS`` rounds (a new request: their next round); else each with its worst case."""
+        next ``RESTORE_ROUNDS`` rounds (a new request: their next round) and, after the first, as many as
+        ``restore_step_tokens`` allows; else each with its worst case."""
+        restored = 0  # K/V rows this step brings back
         while len(self.running) < self.max_batch_size:
             restoring = self.offload is not None and bool(self.offloaded)
             if not restoring and not self.waiting:
@@ -470,10 +475,14 @@ class Scheduler:
                 need = self._slots_needed(request)
             if need + room > self.allocator.num_free:
                 return
+            budget = self.restore_step_tokens
+            if restoring and restored and budget is not None and restored + request.num_computed_tokens > budget:
+                return
             request.slots = self.allocator.allocate(need)
             request.status = RequestStatus.RUNNING
             if restoring:
                 self.offloaded.pop(0)
+                restored += request.num_computed_tokens
                 self.host_tokens -= request.num_computed_tokens
                 self._moves.restores.append(request)
             else:

@@ -189,11 +189,22 @@ def test_offload_on_cuda_copies_on_the_side_stream_and_gives_the_same_tokens(dra
     assert wrapped.last_stats.offload.copy_s > 0, wrapped.last_stats.offload
 
 
-def _decoding_requests(count: int, prompt: int, generated: int) -> tuple[Scheduler, list[Request]]:
+def _decoding_requests(
+    count: int, prompt: int, generated: int, restore_step_tokens: int | None = None
+) -> tuple[Scheduler, list[Request]]:
     """A scheduler of plain decoding (a round is one token) whose pool is full with ``count`` admitted requests,
     each then ``generated`` tokens further along and so short of slots for its next two rounds."""
     allocator = SlotAllocator(count * (prompt + 2) + count)  # admission leaves a round spare
-    scheduler = Scheduler(allocator, count, 4096, None, 0, offload=OffloadStats(), host_capacity_tokens=10**6)
+    scheduler = Scheduler(
+        allocator,
+        count,
+        4096,
+        None,
+        0,
+        offload=OffloadStats(),
+        host_capacity_tokens=10**6,
+        restore_step_tokens=restore_step_tokens,
+    )
     params = SamplingParams(max_new_tokens=1000, min_new_tokens=1000)
     requests = [Request(i, [1] * prompt, params) for i in range(count)]
     for request in requests:
@@ -238,3 +249,19 @@ def test_a_request_sent_out_comes_back_once_the_pool_carries_the_batch_for_a_whi
     scheduler.finish(requests[1], FinishReason.LENGTH)
     assert allocator.num_free >= need + room()
     assert scheduler.schedule().restores == [back]
+
+
+@pytest.mark.parametrize("budget", [None, 1, 1200])
+def test_a_step_brings_back_what_its_staging_budget_holds(budget):
+    """Room for every request on the host at once: a step brings back the oldest, then more while their K/V rows
+    stay within ``restore_step_tokens`` (each is staged on the device whole before its scatter)."""
+    scheduler, _ = _decoding_requests(12, prompt=400, generated=150, restore_step_tokens=budget)
+    scheduler.schedule()
+    scheduler.schedule()
+    away = list(scheduler.offloaded)
+    assert len(away) == 4
+    for request in list(scheduler.running):
+        scheduler.finish(request, FinishReason.LENGTH)
+    back = scheduler.schedule().restores
+    fits = len(away) if budget is None else max(1, budget // away[0].num_computed_tokens)
+    assert back == away[:fits] and scheduler.offloaded == away[fits:]
