@@ -469,14 +469,8 @@ class Scheduler:
             if self.offload is None:
                 need, room = self.reservation(request), 0
             else:
-                room = (RESTORE_ROUNDS if restoring else 1) * (self.k + 1) * len(self.running)
-                if restoring:
-                    room = min(room, self.allocator.num_slots // RESTORE_POOL_SHARE)
-                need = self._slots_needed(request)
-            if need + room > self.allocator.num_free:
-                return
-            budget = self.restore_step_tokens
-            if restoring and restored and budget is not None and restored + request.num_computed_tokens > budget:
+                need, room = self._slots_needed(request), self._room(restoring)
+            if need + room > self.allocator.num_free or (restoring and self._over_budget(restored, request)):
                 return
             request.slots = self.allocator.allocate(need)
             request.status = RequestStatus.RUNNING
@@ -491,6 +485,19 @@ class Scheduler:
                 self._admitted += 1
             bisect.insort(self.running, request, key=lambda r: self._admission.get(id(r), 0))
             self._note_use()
+
+    def _room(self, restoring: bool) -> int:
+        """Slots left free besides an admitted request's own: the running batch's next round, or for a request
+        coming back from the host its next ``RESTORE_ROUNDS`` rounds (at most a ``RESTORE_POOL_SHARE`` of the pool)."""
+        if not restoring:
+            return (self.k + 1) * len(self.running)
+        return min(RESTORE_ROUNDS * (self.k + 1) * len(self.running), self.allocator.num_slots // RESTORE_POOL_SHARE)
+
+    def _over_budget(self, restored: int, request: Request) -> bool:
+        """Whether bringing ``request`` back too would stage more than ``restore_step_tokens`` rows this step (the
+        step's first restore never is)."""
+        budget = self.restore_step_tokens
+        return bool(restored) and budget is not None and restored + request.num_computed_tokens > budget
 
     def _slots_needed(self, request: Request) -> int:
         """Slots a request admitted by use holds before a step: its tokens and two rounds (the one in flight, if
