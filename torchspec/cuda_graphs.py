@@ -88,7 +88,7 @@ class _StaticStep:
     kept_rows: list[int] | None = None  # what ``rows`` holds now (rewritten only when it changes)
     reason: str = "new bucket"  # why the bucket's buffers were made (its capture is logged with it)
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # [T', V]: its view of the logits every bucket shares (first forward on)
 
 
 class StepGraphs:
@@ -120,6 +120,14 @@ class StepGraphs:
         self._last: _StaticStep | None = None  # the bucket replayed most recently
         self._mass = SharedStorage(MASS_DTYPE, device, self.buckets[-1])  # every bucket's verify mass
         self._draft_lists = SharedStorage(torch.int64, device, self.buckets[-1])  # every bucket's draft lists
+        # Every bucket's logits, typed by the first forward: the most tokens a step holds, every request a verify
+        # and a first draft. A graph keeping its own logits held them as long as it lived: W3's ~70 buckets kept
+        # 5.3 GiB, which an H100 run with offload (its batch changing more often) ran out of memory against.
+        self._logits: SharedStorage | None = None
+        self._largest_step = self.buckets[-1] * (1 + verify_tokens)
+        # One memory pool for every step graph's intermediates (they never replay at the same time and keep no
+        # output in it), so the graphs together take what the largest one needs, not the sum of all.
+        self.memory = torch.cuda.graph_pool_handle() if self.capture else None
         self.captures = CaptureLog()
 
     def eligible(self, metadata: AttentionMetadata, prefill: bool) -> bool:
@@ -313,11 +321,16 @@ class StepGraphs:
             output = self.forward(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False, logits_to_keep=step.rows
             )
-        return output.logits[0]
+        logits = output.logits[0]
+        if step.logits is None:  # the bucket's first forward: never inside a capture, which runs once before it
+            if self._logits is None:
+                self._logits = SharedStorage(logits.dtype, self.device, self._largest_step)
+            step.logits = self._logits.view(logits.shape, logits.shape[0])
+        return step.logits.copy_(logits)
 
     def _capture(self, step: _StaticStep) -> None:
         label = f"step {step.num_drafts}+{step.num_verifies}: {step.reason}"
-        step.graph, step.logits = self.captures.capture(lambda: self._run_forward(step), label)
+        step.graph, _ = self.captures.capture(lambda: self._run_forward(step), label, self.memory)
 
     def replay_latest(self, repeats: int) -> None:
         """Replay the latest bucket's graph ``repeats`` times back to back, with no host work in between (for

@@ -189,7 +189,8 @@ def step_list_bytes(
 
 def step_workspace_bytes(max_step_tokens: int, max_batch_size: int, k: int, vocab_size: int) -> int:
     """Device memory a step may take besides the pool: fp32 logits of every query token and the sampling
-    tensors made from them (probabilities, warped copies, sorts: ~6 of that size), the drafts' stored
-    distributions (``[batch, k, V]``), and 2 GiB for activations, graph pools and compiled kernels."""
+    tensors made from them (probabilities, warped copies, sorts: ~6 of that size), the step graphs' shared
+    logits (one more), the drafts' stored distributions (``[batch, k, V]``), and 2 GiB for activations, graph
+    pools and compiled kernels."""
     logits = max_step_tokens * vocab_size * 4
-    return 6 * logits + max_batch_size * k * vocab_size * 4 + (2 << 30)
+    return 7 * logits + max_batch_size * k * vocab_size * 4 + (2 << 30)
