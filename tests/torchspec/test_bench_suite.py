@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from PIL import Image
 from transformers.generation.continuous_batching import ContinuousMixin
 
 from tests.torchspec.conftest import run_cli, tiny_spec
-from torchspec.bench import suite
+from torchspec.bench import records, suite
 from torchspec.bench.methods import METHODS
 from torchspec.bench.runs import Workload
 from torchspec.bench.throughput import context_bins
@@ -67,6 +68,7 @@ def test_bench_measures_ours_and_hf_and_writes_the_report(
     results = json.loads((out / "results.json").read_text())
     assert results["environment"]["device"] == "cpu" and results["environment"]["transformers"]
     assert results["environment"]["threads"] == 1 and results["environment"]["load_average"] >= 0
+    assert results["environment"]["tree"] == records.source_tree()
     assert results["workload"]["num_prompts"] == 4 and results["workload"]["output_len"] == 32
     runs = {run["method"]: run for run in results["runs"]}
     assert list(runs) == ["none", "pillar_recent", "hf"]
@@ -250,3 +252,21 @@ def test_acceptance_is_binned_by_context_length() -> None:
         {"context_from": 512, "rounds": 1, "mean_accepted": 2.0},
         {"context_from": 1536, "rounds": 2, "mean_accepted": 0.5},
     ]
+
+
+def test_a_record_names_the_commit_it_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records carry the checkout's commit (``-dirty`` with uncommitted changes to tracked files), so a number is
+    traced to its code without a hand-written tag; outside a git checkout (an installed wheel, no git) it is None."""
+    package = Path(records.__file__).resolve().parent
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=package, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    tree = records.source_tree()
+    assert tree is not None and tree.removesuffix("-dirty") == head.stdout.strip(), (tree, head.stdout)
+    assert records.environment("cpu", torch.float32)["tree"] == tree
+
+    def no_git(*args: Any, **kwargs: Any) -> None:
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert records.source_tree() is None

@@ -7,8 +7,10 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import time
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,9 +120,11 @@ def _version(distribution: str) -> str | None:
 def environment(device: torch.device | str, dtype: torch.dtype | str) -> dict[str, str | None]:
     """The machine fields of a record: GPU name (or cpu), dtype, the torch, transformers and triton versions (None
     where one is not installed), torch's CPU threads and the CPU's load (1-minute average, this process's own work
-    included): other work on the CPU slows every method, a speculative step most."""
+    included): other work on the CPU slows every method, a speculative step most. And the tree measured
+    (``source_tree``), so a record names the code that produced it."""
     name = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
     return {
+        "tree": source_tree(),
         "device": name,
         "dtype": str(dtype),
         "torch": torch.__version__,
@@ -130,6 +134,24 @@ def environment(device: torch.device | str, dtype: torch.dtype | str) -> dict[st
         "cpus": os.cpu_count(),
         "load_average": round(os.getloadavg()[0], 2),
     }
+
+
+def source_tree() -> str | None:
+    """The commit of the torchspec checkout running, ``-dirty`` appended when tracked files differ from it (an
+    uncommitted change under measurement); None outside a git checkout (an installed wheel)."""
+    try:
+        described = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if described.returncode != 0:
+        return None
+    return described.stdout.strip() or None
 
 
 def append_record(path: str | None, record: dict[str, Any]) -> None:
