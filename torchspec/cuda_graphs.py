@@ -120,11 +120,10 @@ class StepGraphs:
         self._last: _StaticStep | None = None  # the bucket replayed most recently
         self._mass = SharedStorage(MASS_DTYPE, device, self.buckets[-1])  # every bucket's verify mass
         self._draft_lists = SharedStorage(torch.int64, device, self.buckets[-1])  # every bucket's draft lists
-        # Every bucket's logits, typed by the first forward: the most tokens a step holds, every request a verify
-        # and a first draft. A graph keeping its own logits held them as long as it lived: W3's ~70 buckets kept
-        # 5.3 GiB, which an H100 run with offload (its batch changing more often) ran out of memory against.
+        # Every bucket's logits, typed by the first forward. A graph keeping its own logits held them as long as
+        # it lived: W3's ~100 step buckets kept 5.3 GiB, which an H100 run with offload (its batch changing more
+        # often) ran out of memory against.
         self._logits: SharedStorage | None = None
-        self._largest_step = self.buckets[-1] * (1 + verify_tokens)
         # One memory pool for every step graph's intermediates (they never replay at the same time and keep no
         # output in it), so the graphs together take what the largest one needs, not the sum of all.
         self.memory = torch.cuda.graph_pool_handle() if self.capture else None
@@ -323,8 +322,9 @@ class StepGraphs:
             )
         logits = output.logits[0]
         if step.logits is None:  # the bucket's first forward: never inside a capture, which runs once before it
-            if self._logits is None:
-                self._logits = SharedStorage(logits.dtype, self.device, self._largest_step)
+            if self._logits is None:  # room for the most tokens a step holds: every request a verify and a draft
+                largest_step = self.buckets[-1] * (1 + self.verify_tokens)
+                self._logits = SharedStorage(logits.dtype, self.device, largest_step)
             step.logits = self._logits.view(logits.shape, logits.shape[0])
         return step.logits.copy_(logits)
 

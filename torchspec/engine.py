@@ -143,6 +143,14 @@ class Engine:
             capacity = tensor_parallel.agree_min(capacity)
         self.pool = KVPool(layers, capacity, self.dtype, self.device, self._sketched)
         self.fused_layers = FusedLayers(model, layers, ops) if config.fuse_layers is not False else None
+        self.host_kv_capacity_tokens = 0  # the host tier's K/V rows (``offload``)
+        self.restore_step_tokens: int | None = None  # K/V rows a step brings back from there, at most
+        if config.offload:
+            token_bytes = bytes_per_token(layers, self.dtype, self._sketched)
+            self.host_kv_capacity_tokens = config.host_kv_capacity_tokens or auto_host_capacity_tokens(token_bytes)
+            self.restore_step_tokens = restore_step_tokens(token_bytes)
+            if tensor_parallel is not None:
+                self.host_kv_capacity_tokens = tensor_parallel.agree_min(self.host_kv_capacity_tokens)
         self.runner = Runner(
             model,
             self.pool,
@@ -154,16 +162,8 @@ class Engine:
             compile_model=bool(config.compile),
             cuda_graphs=use_cuda_graphs(config.cuda_graphs, self.device, ops),
             max_batch_size=config.max_batch_size,
-            offload=config.offload,
+            host_capacity_tokens=self.host_kv_capacity_tokens,
         )
-        self.host_kv_capacity_tokens = 0  # the host tier's K/V rows (``offload``)
-        self.restore_step_tokens: int | None = None  # K/V rows a step brings back from there, at most
-        if config.offload:
-            token_bytes = bytes_per_token(layers, self.dtype, self._sketched)
-            self.host_kv_capacity_tokens = config.host_kv_capacity_tokens or auto_host_capacity_tokens(token_bytes)
-            self.restore_step_tokens = restore_step_tokens(token_bytes)
-            if tensor_parallel is not None:
-                self.host_kv_capacity_tokens = tensor_parallel.agree_min(self.host_kv_capacity_tokens)
         self.draft_chain = use_draft_chain(config.draft_chain, self.policy, config.unified_schedule)
         # Launch each step before reading the last one back (see SpecConfig). With speculation, a request's next
         # round launches while its last one is in flight where the runner places every draft list on the device

@@ -8,14 +8,14 @@ back into the new slots it gets on return. A draft policy's state is kept as pos
 survives the move. On a CPU the host tier is a second buffer behind the same code path, which is what CI tests.
 
 A request's rows of every pool tensor travel as one byte buffer (each tensor's rows a 16-byte aligned chunk of
-it): one pinned host allocation and one copy each way, not one per layer and tensor (W3 spent 40 s of a 158 s run
-issuing ~60 pinned allocations and copies a request). On CUDA the host<->device copies run on a side stream, so
+it), held on the host in blocks of the host arena (torchspec/host_arena.py: page-locked once and reused, where a
+pinned allocation per move cost W3 52 s of host time). On CUDA the host<->device copies run on a side stream, so
 they overlap the forwards instead of queueing between them: an offload gathers its rows into the buffer on the
 compute stream (a device-to-device copy at HBM speed; the slots given up are rewritten only by steps queued after
-it) and the side stream carries it to pinned host memory; a restore brings it back on the side stream, issued
-while the host runs ahead of the GPU, and the compute stream waits for that copy only where it scatters the rows
-into their new slots. Both copies of a request queue on the one side stream, so a restore never reads a host
-buffer before its offload filled it.
+it) and the side stream carries it to the host blocks; a restore brings it back on the side stream, issued while
+the host runs ahead of the GPU, and the compute stream waits for that copy only where it scatters the rows into
+their new slots. Every copy into or out of the arena queues on the one side stream, so a restore never reads
+blocks before its offload filled them, and blocks given back are refilled only after their restore read them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchspec.host_arena import BLOCK_BYTES, HostArena
 from torchspec.kv_cache import KVPool
 from torchspec.transfer import to_device
 
@@ -62,19 +63,25 @@ class OffloadStats:
     recomputed_tokens: int = 0  # K/V rows computed a second time: always 0, the host tier never drops any
     peak_device_tokens: int = 0  # most pool slots held at once
     peak_host_tokens: int = 0  # most K/V rows on the host at once
-    transfer_s: float = 0.0  # host time spent issuing (on a CPU: doing) the copies
+    transfer_s: float = 0.0  # host time spent issuing (on a CPU: doing) the copies, ``reserve_s`` included
+    reserve_s: float = 0.0  # of which making host memory (page-locked on CUDA) for the arena
+    host_reserved_bytes: int = 0  # the arena's size at the end of the run (it stays for later runs)
     copy_s: float = 0.0  # device time of the side stream's copies (CUDA; on a CPU the copies are transfer_s)
 
 
 class HostKVStore:
     """Offloaded requests' rows of every pool tensor (``KVPool.slot_tensors``: K/V per layer, key sketches), one
-    host byte buffer per request (see ``_chunks``), keyed by request id."""
+    byte buffer per request (see ``_chunks``) in blocks of the host arena, keyed by request id. ``capacity_tokens``:
+    the most rows the host tier holds (the scheduler keeps to it; the arena grows no further than it needs);
+    ``block_bytes``: the arena's block, the most one copy moves."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, capacity_tokens: int, block_bytes: int = BLOCK_BYTES) -> None:
         self.pool = pool
         self.device = pool.k[0].device
-        self._held: dict[int, torch.Tensor] = {}
+        self._held: dict[int, list[torch.Tensor]] = {}
         self.stats = OffloadStats()
+        self._token_bytes = sum(map(_row_bytes, pool.slot_tensors()))
+        self._arena = HostArena(self.device.type == "cuda", capacity_tokens * self._token_bytes, block_bytes)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # copies not yet counted in copy_s
 
@@ -83,31 +90,50 @@ class HostKVStore:
         return len(self._held)
 
     def offload(self, request_id: int, slots: Sequence[int]) -> None:
-        """Copy the K/V at ``slots`` (a request's computed positions, in order) to the host."""
-        start = time.perf_counter()
+        """Copy the K/V at ``slots`` (a request's computed positions, in order) to the host; raises
+        ``HostMemoryError`` (nothing copied, nothing held) when the host has no memory for it."""
+        start, reserving = time.perf_counter(), self._arena.reserve_s
+        size = self._buffer_bytes(len(slots))
+        blocks = self._arena.take(size)  # first: a HostMemoryError leaves nothing queued
         index = to_device(slots, self.device)
-        buffer = torch.empty(self._buffer_bytes(len(slots)), dtype=torch.uint8, device=self.device)
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         for rows, chunk in zip(self.pool.slot_tensors(), self._chunks(buffer, len(slots)), strict=True):
             torch.index_select(rows, 0, index, out=chunk)
         with self._side_stream(to_host=True):
-            self._held[request_id] = self._to_host(buffer)
+            if self._stream is not None:
+                buffer.record_stream(self._stream)  # gathered on the compute stream, read on the side stream
+            for piece, block in self._pieces(buffer, blocks):
+                block.copy_(piece, non_blocking=True)
+        self._held[request_id] = blocks
         self.stats.offloaded_tokens += len(slots)
-        self.stats.offloaded_bytes += len(slots) * sum(map(_row_bytes, self.pool.slot_tensors()))
+        self.stats.offloaded_bytes += len(slots) * self._token_bytes
+        self.stats.reserve_s += self._arena.reserve_s - reserving
         self.stats.transfer_s += time.perf_counter() - start
 
     def restore(self, request_id: int, slots: Sequence[int]) -> None:
         """Copy a request's K/V back into ``slots`` (as many as it offloaded, in position order) and forget it."""
         start = time.perf_counter()
-        held = self._held.pop(request_id)
+        blocks = self._held.pop(request_id)
         index = to_device(slots, self.device)
         with self._side_stream(to_host=False):
-            buffer = held.to(self.device, non_blocking=True)
+            buffer = torch.empty(self._buffer_bytes(len(slots)), dtype=torch.uint8, device=self.device)
+            for piece, block in self._pieces(buffer, blocks):
+                piece.copy_(block, non_blocking=True)
+        self._arena.give(blocks)
         for rows, chunk in zip(self.pool.slot_tensors(), self._chunks(buffer, len(slots)), strict=True):
             rows.index_copy_(0, index, chunk)
         if self._stream is not None:  # made on the side stream, read on the compute stream
             buffer.record_stream(torch.cuda.current_stream(self.device))
         self.stats.restored_tokens += len(slots)
         self.stats.transfer_s += time.perf_counter() - start
+
+    def _pieces(self, buffer: torch.Tensor, blocks: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The buffer's block-sized pieces, each with as much of its host block (none for a request with nothing
+        computed yet: a sample waiting for its prompt's K/V)."""
+        size = self._arena.block_bytes
+        for i, block in enumerate(blocks):
+            piece = buffer[i * size : (i + 1) * size]
+            yield piece, block[: piece.numel()]
 
     def _buffer_bytes(self, count: int) -> int:
         return sum(_aligned(count * _row_bytes(rows)) for rows in self.pool.slot_tensors())
@@ -127,11 +153,12 @@ class HostKVStore:
             self._stream.synchronize()
             self.stats.copy_s += sum(begin.elapsed_time(end) for begin, end in self._timings) / 1e3
             self._timings.clear()
+        self.stats.host_reserved_bytes = self._arena.reserved_bytes
         return self.stats
 
     def drop(self, request_id: int) -> None:
         """Forget a request that will not come back (the run stopped)."""
-        self._held.pop(request_id, None)
+        self._arena.give(self._held.pop(request_id, []))
 
     @contextlib.contextmanager
     def _side_stream(self, to_host: bool) -> Iterator[None]:
@@ -153,13 +180,6 @@ class HostKVStore:
         if not to_host:
             compute.wait_stream(self._stream)
         self._timings.append((begin, end))
-
-    def _to_host(self, buffer: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return buffer  # gathering already copied the rows
-        buffer.record_stream(self._stream)  # gathered on the compute stream, read on the side stream
-        host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
-        return host.copy_(buffer, non_blocking=True)
 
 
 def _row_bytes(rows: torch.Tensor) -> int:

@@ -49,10 +49,11 @@ class Runner:
         compile_model: bool = False,
         cuda_graphs: bool = False,
         max_batch_size: int = 256,
-        offload: bool = False,
+        host_capacity_tokens: int = 0,
     ) -> None:
         self.model = model
-        self.host = HostKVStore(pool) if offload else None  # the KV host tier (``offload``)
+        # The KV host tier (``offload``), holding at most ``host_capacity_tokens`` rows (0: none).
+        self.host = HostKVStore(pool, host_capacity_tokens) if host_capacity_tokens else None
         # Dynamic shapes: the packed token count changes every step; attention is one opaque op per layer.
         self.forward = torch.compile(model, dynamic=True) if compile_model else model
         self.pool = pool
