@@ -78,7 +78,8 @@ class SpecConfig:
             ``False``: every request reserves its worst case at admission and waits until it fits.
         host_kv_capacity_tokens: most K/V rows the host tier holds with ``offload=True``; ``None`` = half of the
             host's available memory. A request that does not fit there stays on the device and the others wait.
-            The tier's memory is page-locked as it is first needed (in doubling slabs) and kept for later runs.
+            The tier's memory is page-locked as it is first needed (in doubling slabs) and kept for later runs;
+            memory the host cannot give counts as no room (the scheduler asks before it sends a request out).
         delayed_verify: launch each step before reading the previous one back, so the host's reading,
             bookkeeping and planning overlap the GPU's work; stop conditions then apply one step late and the
             token made past a stop is discarded (same tokens, same distribution). Without speculation every step

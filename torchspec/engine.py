@@ -276,6 +276,7 @@ class Engine:
             host_capacity_tokens=self.host_kv_capacity_tokens,
             draft_step_budget=self.draft_step_budget,
             restore_step_tokens=self.restore_step_tokens,
+            host_refusal=None if self.runner.host is None else self.runner.host.refusal,
         )
         for request in requests:
             if request.is_finished:

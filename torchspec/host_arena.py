@@ -58,11 +58,19 @@ class HostArena:
     def free_blocks(self) -> int:
         return len(self._free)
 
-    def take(self, nbytes: int) -> list[torch.Tensor]:
-        """As many blocks as ``nbytes`` fill (the last one partly), growing the arena if short."""
-        count = -(-nbytes // self.block_bytes)
+    def blocks_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.block_bytes)
+
+    def ensure(self, count: int) -> None:
+        """Have ``count`` blocks free, growing the arena if short; raises ``HostMemoryError`` if the host has no
+        memory for it (the arena as it was)."""
         if count > len(self._free):
             self._grow(count - len(self._free))
+
+    def take(self, nbytes: int) -> list[torch.Tensor]:
+        """As many blocks as ``nbytes`` fill (the last one partly), growing the arena if short."""
+        count = self.blocks_for(nbytes)
+        self.ensure(count)
         blocks, self._free = self._free[len(self._free) - count :], self._free[: len(self._free) - count]
         return blocks
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchspec.host_arena import BLOCK_BYTES, HostArena
+from torchspec.host_arena import BLOCK_BYTES, HostArena, HostMemoryError
 from torchspec.kv_cache import KVPool
 from torchspec.transfer import to_device
 
@@ -109,6 +109,18 @@ class HostKVStore:
         self.stats.offloaded_bytes += len(slots) * self._token_bytes
         self.stats.reserve_s += self._arena.reserve_s - reserving
         self.stats.transfer_s += time.perf_counter() - start
+
+    def refusal(self, rows: Sequence[int]) -> str | None:
+        """Why the host cannot take requests of ``rows`` K/V rows each (a plan's offloads so far and the next),
+        or None when it can: the arena grows now, while the scheduler can still choose, if it must."""
+        # A bound on each request's buffer (every chunk's alignment at most _CHUNK_ALIGN), cheap to sum: a wave of
+        # offloads asks once per request about all of the step's so far.
+        padding = _CHUNK_ALIGN * len(self.pool.slot_tensors())
+        try:
+            self._arena.ensure(sum(self._arena.blocks_for(count * self._token_bytes + padding) for count in rows))
+        except HostMemoryError as error:
+            return f"the host had no memory for them: {error}"
+        return None
 
     def restore(self, request_id: int, slots: Sequence[int]) -> None:
         """Copy a request's K/V back into ``slots`` (as many as it offloaded, in position order) and forget it."""

@@ -60,6 +60,7 @@ import bisect
 import enum
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -218,6 +219,7 @@ class Scheduler:
         host_capacity_tokens: int = 0,
         draft_step_budget: int = 0,
         restore_step_tokens: int | None = None,
+        host_refusal: Callable[[list[int]], str | None] | None = None,
     ) -> None:
         self.allocator = allocator
         self.draft_step_budget = draft_step_budget  # KV tokens a step's drafts read together, shared out
@@ -225,6 +227,10 @@ class Scheduler:
         self.offload = offload
         self.host_capacity_tokens = host_capacity_tokens
         self.host_tokens = 0  # K/V rows of the requests on the host
+        # Why the host cannot take requests of so many K/V rows each (None: it can), asked before one is sent out
+        # (``HostKVStore.refusal``: its memory); and the latest such answer this step, for the error it may end in.
+        self.host_refusal = host_refusal
+        self._refused: str | None = None
         # K/V rows a step brings back at most, after its first request (None: no bound).
         self.restore_step_tokens = restore_step_tokens
         self.offloaded: list[Request] = []  # waiting to come back, oldest admission first
@@ -515,11 +521,15 @@ class Scheduler:
                 return blocked
             stuck = next((r for r in reversed(self.running) if not r.round.tokens), self.running[-1])
             self.finish(stuck, FinishReason.ERROR)
+            fix = (
+                f" ({self._refused}); free host memory or raise kv_capacity_tokens"
+                if self._refused
+                else "; raise host_kv_capacity_tokens or kv_capacity_tokens"
+            )
             stuck.error = (
                 f"stopped after {stuck.num_output_tokens} tokens: the KV pool ({self.allocator.num_slots} slots) "
                 f"was full and the host tier (host_kv_capacity_tokens={self.host_capacity_tokens}, "
-                f"{self.host_tokens} in use) could not take its {stuck.num_computed_tokens} K/V rows to make room; "
-                "raise host_kv_capacity_tokens or kv_capacity_tokens"
+                f"{self.host_tokens} in use) could not take its {stuck.num_computed_tokens} K/V rows to make room" + fix
             )
             self._moves.stopped.append(stuck)
 
@@ -531,8 +541,12 @@ class Scheduler:
         The slots of requests leaving after the step in flight are promised to the short requests that sit out
         waiting for them, once each: counting them for every short request evicted a victim per short request
         (W3 sent 200-300 requests out at once, all of them back a step later, ~40 times in 230 s)."""
+        self._refused = None
         for request in [r for r in self.running if id(r) in self._leaving and id(r) not in in_flight]:
-            self._offload(request)
+            if self._host_takes(request):
+                self._offload(request)
+            else:  # grown past what the host takes since it was chosen: it stays
+                self._leaving.discard(id(request))
         blocked = set(self._leaving)
         freeing = sum(len(r.slots) for r in self.running if id(r) in blocked)  # free once the step in flight ends
         for request in list(self.running):
@@ -571,13 +585,19 @@ class Scheduler:
         for candidate in reversed(self.running):
             if self._admission[id(candidate)] < order:
                 return None
-            if (
-                id(candidate) not in leaving
-                and not candidate.round.tokens
-                and self.host_tokens + candidate.num_computed_tokens <= self.host_capacity_tokens
-            ):
+            if id(candidate) not in leaving and not candidate.round.tokens and self._host_takes(candidate):
                 return candidate
         return None
+
+    def _host_takes(self, request: Request) -> bool:
+        """Whether the host tier takes ``request``'s K/V besides the step's moves so far: within
+        ``host_capacity_tokens``, and with memory the host gives (else ``_refused`` says why not)."""
+        if self.host_tokens + request.num_computed_tokens > self.host_capacity_tokens:
+            return False
+        if self.host_refusal is not None:
+            rows = [len(slots) for _, slots in self._moves.offloads] + [request.num_computed_tokens]
+            self._refused = self.host_refusal(rows)
+        return self._refused is None
 
     def _offload(self, request: Request) -> None:
         """Move a request out of the pool: its K/V to the host (the plan's move), its slots freed, and it waits

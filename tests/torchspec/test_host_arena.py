@@ -60,3 +60,17 @@ def test_a_request_comes_back_from_the_blocks_as_it_left():
     store.restore(8, [])
     assert store.num_requests == 0
     assert store.settle().host_reserved_bytes > 0
+
+
+def test_what_the_host_tier_promises_a_step_its_offloads_find():
+    """The scheduler asks ``refusal`` before it sends requests out: after a yes, the step's offloads take blocks
+    without growing the arena (a growth then could fail after the request's slots were given away)."""
+    layers = [LayerSpec(i, 4, 2, 8, 0.35, None) for i in range(2)]
+    pool = KVPool(layers, 64, torch.float32, torch.device("cpu"), sketched={1})
+    # A host tier of one token: the arena grows by just what it is short of (no slab to spare).
+    store = HostKVStore(pool, capacity_tokens=1, block_bytes=BLOCK * 3)
+    assert store.refusal([7, 3, 11]) is None
+    reserved = store.settle().host_reserved_bytes
+    for request, count in enumerate((7, 3, 11)):
+        store.offload(request, list(range(count)))
+    assert store.settle().host_reserved_bytes == reserved

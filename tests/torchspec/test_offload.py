@@ -19,6 +19,7 @@ import torch
 from tests.torchspec.conftest import Batch, assert_no_slot_leak, generate_checking_key_sketches, tiny_spec
 from torchspec import sparsespec
 from torchspec.config import DRAFT_POLICIES
+from torchspec.host_arena import HostArena, HostMemoryError
 from torchspec.kv_cache import SlotAllocator
 from torchspec.kv_offload import OffloadStats
 from torchspec.request import FinishReason, Request, SamplingParams
@@ -144,20 +145,41 @@ def test_equal_requests_finish_in_admission_order():
 def test_host_tier_too_small_ends_the_newest_request_with_its_name():
     """No room on the host to make room in the pool: the newest request ends with an error naming
     host_kv_capacity_tokens, keeping the tokens it made (the unconstrained run's), and the others complete."""
+    wrapped = sparsespec.wrap(SPEC.build(), draft=None, host_kv_capacity_tokens=1, **TIGHT)
+    _assert_failures_end_alone(wrapped, "host_kv_capacity_tokens=1")
+
+
+def test_a_host_out_of_memory_ends_the_newest_request_with_why(monkeypatch: pytest.MonkeyPatch):
+    """The host has no memory for the host tier to grow by: no request is sent there (the scheduler asks before
+    it chooses), the newest one ends with an error saying so, its tokens so far kept (the unconstrained run's),
+    and the others complete."""
+
+    def out_of_memory(arena: HostArena, blocks: int) -> None:
+        raise HostMemoryError(f"allocating {blocks * arena.block_bytes} bytes (the test's host has none)")
+
+    monkeypatch.setattr(HostArena, "_grow", out_of_memory)
+    wrapped = sparsespec.wrap(SPEC.build(), draft=None, **TIGHT)
+    _assert_failures_end_alone(wrapped, "(the host had no memory for them: allocating 4194304 bytes")
+    assert wrapped.last_stats.offload.offloaded_tokens == 0
+
+
+def _assert_failures_end_alone(wrapped: Any, error: str) -> None:
+    """Greedy over BATCH: some requests end with ``error``, keeping the unconstrained run's tokens so far; the
+    others run to their length; nothing leaks."""
     prompts = BATCH.prompts
     params = {"max_new_tokens": MAX_NEW_TOKENS, "min_new_tokens": MAX_NEW_TOKENS, "do_sample": False}
     reference = sparsespec.wrap(SPEC.build(), draft=None, **UNCONSTRAINED).generate_batch(prompts, **params).values()
-    wrapped = sparsespec.wrap(SPEC.build(), draft=None, host_kv_capacity_tokens=1, **TIGHT)
     outputs = wrapped.generate_batch(prompts, **params).values()
     failed = [o for o in outputs if o.finish_reason == "error"]
-    assert failed, "the host tier of one token made room for every request"
-    assert all("host_kv_capacity_tokens=1" in o.error for o in failed), failed[0].error
+    assert failed, "every request completed"
+    assert all(error in o.error for o in failed), failed[0].error
     assert any(o.finish_reason == "length" for o in outputs)
     for output, expected in zip(outputs, reference, strict=True):
         assert output.token_ids == expected.token_ids[: len(output.token_ids)]
         if output.finish_reason == "length":
             assert len(output.token_ids) == MAX_NEW_TOKENS
     assert_no_slot_leak(wrapped)
+    assert wrapped.engine.runner.host.num_requests == 0
 
 
 @pytest.mark.parametrize(
