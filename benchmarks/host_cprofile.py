@@ -1,8 +1,9 @@
 """Where the host's time goes in steady full-batch steps: ``cProfile`` over a window of engine steps (CUDA).
 
-    python benchmarks/host_cprofile.py MODEL.gguf NEW_TOKENS DRAFT FIRST_STEP STEPS
+    python -m benchmarks.host_cprofile MODEL.gguf NEW_TOKENS DRAFT FIRST_STEP STEPS [BATCH]
 
-Runs W1's prompts (256, T=0.65, EOS held back) with ``DRAFT`` (``none`` or a policy) after a 64-token warm-up,
+Runs W1's prompts (256, T=0.65, EOS held back; ``BATCH`` of them with ``max_batch_size=BATCH``, cycling the packaged
+705 past that: 1024 is W3's batch) with ``DRAFT`` (``none`` or a policy) after a 64-token warm-up,
 and profiles the host from the ``FIRST_STEP``-th step applied after it for ``STEPS`` steps (counted by one of the
 engine's ``observers``); prints the functions by their own time, then the engine's by cumulative time. The profiler
 slows Python-heavy code (its times run above unprofiled ones), so compare runs of this script, not its times with a
@@ -28,9 +29,10 @@ from torchspec.workloads import reasoning_prompt_ids
 def main() -> None:
     path, draft = sys.argv[1], sys.argv[3]
     new_tokens, first, count = int(sys.argv[2]), int(sys.argv[4]), int(sys.argv[5])
+    batch = int(sys.argv[6]) if len(sys.argv) > 6 else 256
     model, tokenizer = load_model(path, dtype=torch.bfloat16, device="cuda")
-    prompts = [list(prompt) for prompt in reasoning_prompt_ids(tokenizer, 256)]
-    wrapped = sparsespec.wrap(model, draft=None if draft == "none" else draft, max_batch_size=256)
+    prompts = [list(prompt) for prompt in reasoning_prompt_ids(tokenizer, batch)]
+    wrapped = sparsespec.wrap(model, draft=None if draft == "none" else draft, max_batch_size=batch)
     sampling = {"do_sample": True, "temperature": 0.65}
     wrapped.generate_batch(prompts, max_new_tokens=64, min_new_tokens=64, **sampling)
     profiler, applied, started = cProfile.Profile(), [0], [0.0]

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import itertools
+import pstats
 import random
 import statistics
 import sys
@@ -132,13 +134,17 @@ def measure(
     temperature: float,
     seed: int = 0,
     top_k: int = 50,
+    profile_top: int = 0,
     **options: bool,
 ) -> dict:
     """Median host time of a full-batch decoding step of ``batch`` requests (forward replaced), and the host
     time per token those steps emitted (a chained step drafts a whole round: longer, and fewer of them).
     ``top_k``: sampling's top-k, W1's by default (transformers' 50, which ``generate_batch`` applies); it keeps a
     round's draft token selection out of the chain graph, so it changes what a step runs. ``options``: engine
-    switches (``draft_chain``, ``delayed_verify``, ...; left out: the engine's defaults on a CPU)."""
+    switches (``draft_chain``, ``delayed_verify``, ...; left out: the engine's defaults on a CPU). ``profile_top``:
+    also profile a quarter of the full-batch steps (neither timed nor counted) with ``cProfile`` and report the
+    engine functions with the most own time per step (Python the host runs per request: what a step's inputs
+    built from per-row device state would remove), this many of them."""
     model = _tiny_model(seed)
     wrapped = sparsespec.wrap(
         model, draft=draft, max_batch_size=batch, min_budget=16, **({"cuda_graphs": True} | options)
@@ -200,19 +206,25 @@ def measure(
     # Half the steps count ops (the count slows them), the others are timed: chosen at random, because chained
     # drafts and verifies can alternate step by step and a fixed alternation would time only one kind.
     coin = random.Random(seed)
+    profiled, profiled_steps = None, 0
     for _ in tqdm(itertools.count(), desc=f"host steps ({draft})", unit="step"):
-        counting = coin.random() < 0.5
+        toss = coin.random()
+        counting, profiling = toss < 0.5, profile_top > 0 and toss >= 0.75
         counter.reset()
         emitted = sum(request.num_output_tokens for request in requests)
+        profiler = cProfile.Profile() if profiling else None
         start = time.perf_counter()
-        with counter if counting else contextlib.nullcontext():
+        with counter if counting else profiler or contextlib.nullcontext():
             plan, _ = next(steps, (None, None))
         elapsed = time.perf_counter() - start
         if plan is None:
             break
         decoding = all(item.phase is not Phase.PREFILL for item in plan.scheduled)
         if decoding and len(plan.scheduled) == batch:
-            if counting:
+            if profiling:
+                profiled = pstats.Stats(profiler) if profiled is None else profiled.add(profiler)
+                profiled_steps += 1
+            elif counting:
                 replayed = sum(n for part, n in counter.counts.items() if part in REPLAYED_PARTS)
                 op_counts.append(counter.count - replayed)
                 part_counts.append(counter.counts)
@@ -244,11 +256,26 @@ def measure(
             site: count / len(part_counts)
             for site, count in sorted(site_counts.items(), key=lambda item: -item[1])[:TOP_SITES]
         },
+        # Own time of the engine's functions per profiled step (cProfile's overhead included), the most first.
+        "profiled_steps": profiled_steps,
+        "own_ms_per_step": _own_times(profiled, profiled_steps, profile_top),
         "tokens_per_step": stats.generated_tokens / max(stats.steps, 1),
         "rounds": stats.num_rounds,
         "mean_accepted": stats.mean_accepted,
         **environment("cpu", torch.float32),
     }
+
+
+def _own_times(profiled: pstats.Stats | None, steps: int, top: int) -> dict[str, float]:
+    """The ``top`` functions of the torchspec package by own time, in ms per profiled step."""
+    if profiled is None:
+        return {}
+    own = {}
+    for (path, line, name), (_, _, tottime, _, _) in profiled.stats.items():
+        file = Path(path)
+        if ENGINE_ROOT in file.parents:
+            own[f"{file.relative_to(ENGINE_ROOT)}:{line}({name})"] = 1e3 * tottime / steps
+    return dict(sorted(own.items(), key=lambda item: -item[1])[:top])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,6 +292,9 @@ def main(argv: list[str] | None = None) -> None:
         help="runs, each a draft policy or none, optionally with +switch / -switch (e.g. pillar_recent-draft_chain)",
     )
     parser.add_argument("--out", help="append one JSON line per draft setting")
+    parser.add_argument(
+        "--profile-top", type=int, default=0, help="also report the N engine functions with the most own time a step"
+    )
     args = parser.parse_args(argv)
     try:
         settings = [(text, *parse_setting(text)) for text in args.drafts]
@@ -272,7 +302,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(error))
     for text, draft, options in settings:
         record = measure(
-            args.batch, args.prompt_len, args.new_tokens, draft, args.temperature, top_k=args.top_k, **options
+            args.batch,
+            args.prompt_len,
+            args.new_tokens,
+            draft,
+            args.temperature,
+            top_k=args.top_k,
+            profile_top=args.profile_top,
+            **options,
         )
         record["setting"] = text
         print(
@@ -285,6 +322,10 @@ def main(argv: list[str] | None = None) -> None:
         print("  ops per step by engine line: " + ", ".join(
             f"{site} {count:.0f}" for site, count in itertools.islice(record["ops_by_site"].items(), 12)
         ))  # fmt: skip
+        if record["own_ms_per_step"]:
+            print(f"  own ms per step ({record['profiled_steps']} steps profiled): " + ", ".join(
+                f"{name} {ms:.2f}" for name, ms in record["own_ms_per_step"].items()
+            ))  # fmt: skip
         append_record(args.out, record)
 
 

@@ -63,8 +63,10 @@ class OffloadStats:
     recomputed_tokens: int = 0  # K/V rows computed a second time: always 0, the host tier never drops any
     peak_device_tokens: int = 0  # most pool slots held at once
     peak_host_tokens: int = 0  # most K/V rows on the host at once
-    transfer_s: float = 0.0  # host time spent issuing (on a CPU: doing) the copies, ``reserve_s`` included
-    reserve_s: float = 0.0  # of which making host memory (page-locked on CUDA) for the arena
+    transfer_s: float = 0.0  # host time spent issuing (on a CPU: doing) the copies
+    # Host time making host memory (page-locked on CUDA) for the arena: mostly when the scheduler asks whether the
+    # host takes a request (``refusal``), outside ``transfer_s``; at a move otherwise, inside it.
+    reserve_s: float = 0.0
     host_reserved_bytes: int = 0  # the arena's size at the end of the run (it stays for later runs)
     copy_s: float = 0.0  # device time of the side stream's copies (CUDA; on a CPU the copies are transfer_s)
 
@@ -116,10 +118,13 @@ class HostKVStore:
         # A bound on each request's buffer (every chunk's alignment at most _CHUNK_ALIGN), cheap to sum: a wave of
         # offloads asks once per request about all of the step's so far.
         padding = _CHUNK_ALIGN * len(self.pool.slot_tensors())
+        reserving = self._arena.reserve_s
         try:
             self._arena.ensure(sum(self._arena.blocks_for(count * self._token_bytes + padding) for count in rows))
         except HostMemoryError as error:
             return f"the host had no memory for them: {error}"
+        finally:
+            self.stats.reserve_s += self._arena.reserve_s - reserving
         return None
 
     def restore(self, request_id: int, slots: Sequence[int]) -> None:

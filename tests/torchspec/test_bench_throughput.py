@@ -91,7 +91,11 @@ def test_host_step_times_decoding_steps_without_a_forward():
     speculative), alternately timed and op-counted, and reports positive medians; speculation really drafted."""
     plain = host_step.measure(batch=4, prompt_len=20, new_tokens=20, draft=None, temperature=0.65)
     assert plain["steps_timed"] >= 8 and plain["host_ms_per_step"] > 0 and plain["mean_accepted"] == 0
-    assert plain["ops_per_step"] > 0
+    assert plain["ops_per_step"] > 0 and plain["own_ms_per_step"] == {}
+    profiled = host_step.measure(batch=4, prompt_len=20, new_tokens=20, draft=None, temperature=0.65, profile_top=5)
+    own = profiled["own_ms_per_step"]  # a quarter of the steps profiled: the engine's functions, most own time first
+    assert profiled["profiled_steps"] > 0 and 0 < len(own) <= 5 and list(own.values()) == sorted(own.values())[::-1]
+    assert all(".py:" in name for name in own) and any(name.startswith("runner.py:") for name in own), own
     speculative = host_step.measure(batch=4, prompt_len=20, new_tokens=20, draft="pillar_recent", temperature=0.0)
     assert speculative["steps_timed"] >= 8 and speculative["host_ms_per_step"] > 0
     assert speculative["ops_per_step"] > 0

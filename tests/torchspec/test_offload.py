@@ -64,6 +64,7 @@ def _assert_moved(wrapped: Any) -> None:
     assert stats.offloaded_bytes == stats.offloaded_tokens * row_bytes, stats
     assert 0 < stats.peak_device_tokens <= POOL, stats
     assert 0 < stats.peak_host_tokens <= stats.offloaded_tokens, stats
+    assert stats.reserve_s > 0 and stats.host_reserved_bytes > 0, stats  # the host tier's memory, made in this run
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["sync", "delayed"])
