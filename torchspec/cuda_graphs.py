@@ -6,7 +6,7 @@ bucket is captured once and replayed: every step copies its inputs, slot lists a
 bucket's static buffers (fixed addresses the graph reads) and replays. A bucket is (draft requests, verify
 requests), each padded to a bucket size; every verify request has room for ``verify_tokens`` (k + 1) query
 tokens, so the unified batch of the phase scheduler (~B/(k+1) verifies next to ~B k/(k+1) drafts) reuses a
-few graphs.
+few graphs. A step whose bucket was never made replays a made one of up to twice its size (``held_bucket``).
 
 Static layout of a bucket (D' drafts, V' verifies, q tokens each): tokens ``[D real drafts | D' - D padding
 drafts | verify tokens | padding]``; padding drafts own one token, an empty slot list and the scratch slot;
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TypeVar
@@ -43,10 +43,26 @@ from torchspec.transfer import to_device
 T = TypeVar("T")
 
 
+# A step replays a bucket already made of up to this many times its own bucket's size in each dimension rather
+# than capture its own: a capture costs ~50 ms of host time with the GPU idle (W1 on the H200: 66 captures, 3.4 s
+# of a 44.7 s run, most of them for the buckets a draining batch passes through), a padding request only its rows
+# of the GEMMs and the LM head (its attention lists are empty, its rows never sampled).
+PADDING_SLACK = 2
+
+
 def bucket_sizes(max_batch_size: int) -> list[int]:
     """Padded request counts: powers of two to 32, then every 32 (a step pads at most 31 requests past 32)."""
     small = [size for size in (1, 2, 4, 8, 16, 32) if size < max_batch_size]
     return [*small, *range(64, max_batch_size, 32), max_batch_size]
+
+
+def held_bucket(own: tuple[int, ...], made: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
+    """The bucket a step whose own bucket is ``own`` replays in: the smallest bucket already made that holds it
+    within ``PADDING_SLACK`` times its size in every dimension (none where it has none), else its own."""
+    holding = [
+        key for key in made if all(need <= size <= PADDING_SLACK * need for need, size in zip(own, key, strict=True))
+    ]
+    return min(holding, key=sum, default=own)
 
 
 class SharedStorage:
@@ -154,7 +170,7 @@ class StepGraphs:
         bucket's bound, one admitted later with a longer budget, captures the bucket again)."""
         num_drafts = metadata.num_drafts
         num_verifies = metadata.full.kv_indptr.shape[0] - 1
-        key = (self._bucket(num_drafts), self._bucket(num_verifies))
+        key = held_bucket((self._bucket(num_drafts), self._bucket(num_verifies)), self._steps)
         lists = num_drafts > 0 and metadata.draft_choice is None  # the runner built the draft lists
         draft_count = metadata.draft[self.first_sparse].kv_indices.shape[-1] if lists else 0
         full_count = metadata.full.kv_indices.shape[-1]

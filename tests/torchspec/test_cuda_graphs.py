@@ -13,7 +13,7 @@ import torch
 import attention
 from tests.torchspec.conftest import Batch, tiny_spec
 from torchspec import sparsespec
-from torchspec.cuda_graphs import CaptureLog, bucket_sizes
+from torchspec.cuda_graphs import CaptureLog, bucket_sizes, held_bucket
 from torchspec.engine import use_cuda_graphs
 from torchspec.request import SamplingParams
 
@@ -50,6 +50,41 @@ def test_bucket_sizes_cover_every_batch_once():
     for maximum in (1, 5, 33, 100):
         sizes = bucket_sizes(maximum)
         assert sizes == sorted(set(sizes)) and sizes[-1] == maximum
+
+
+def test_a_step_replays_a_bucket_made_within_twice_its_own():
+    made = [(0, 256), (256, 0), (256, 4), (160, 4)]
+    assert held_bucket((224, 0), made) == (256, 0)
+    assert held_bucket((96, 0), made) == (96, 0), "pads more than twice its requests"
+    assert held_bucket((128, 2), made) == (160, 4), "not the smallest that holds it"
+    assert held_bucket((224, 1), made) == (224, 1), "4 verifies pad more than twice its one"
+    assert held_bucket((0, 160), made) == (0, 256)
+    assert held_bucket((4, 256), made) == (4, 256), "a bucket without drafts holds no step with drafts"
+    assert held_bucket((8,), [(16,), (32,)]) == (16,)
+
+
+def test_a_draining_batch_replays_the_buckets_it_made(monkeypatch):
+    """Eight requests finishing one after another pass through buckets of 8, 4, 2 and 1 verifies: the steps of
+    4 and 3 replay the bucket of 8, the step of 1 the bucket of 2 (so a GPU captures two graphs, not four), and
+    the tokens are the dynamic path's."""
+    spec, batch = tiny_spec("llama", 2), Batch((5, 9, 4, 7, 6, 8, 3, 10), seed=2)
+    model = spec.build()
+    options = {"kv_capacity_tokens": 512, "max_batch_size": 8}
+    prompts, lengths = batch.prompts, list(range(3, 11))  # request i stops after 3 + i tokens
+
+    def run(cuda_graphs: bool):
+        engine = sparsespec.wrap(model, draft=None, cuda_graphs=cuda_graphs, **options).engine
+        requests = [
+            engine.new_request(i, prompt, SamplingParams(n, n, do_sample=False))
+            for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True))
+        ]
+        for _ in engine.steps(requests):
+            pass
+        return engine, [request.token_ids for request in requests]
+
+    engine, tokens = run(cuda_graphs=True)
+    assert set(engine.runner.graphs._steps) == {(0, 8), (0, 2)}
+    assert tokens == run(cuda_graphs=False)[1]
 
 
 def test_default_captures_on_cuda_only_with_a_capturable_backend():
