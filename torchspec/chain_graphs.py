@@ -112,9 +112,7 @@ class ChainGraphs:
         """``[L, D]``: the tokens drafted by forwards 2..L + 1 (row j - 1: forward j + 1), from one replay per
         forward. Writes each forward's K/V, and each draft's distribution into the request's row of ``store``."""
         count = inputs.first_tokens.shape[0]
-        (size,) = held_bucket(
-            (next(size for size in self.buckets if size >= count),), ((size,) for size in self._steps)
-        )
+        (size,) = held_bucket((count,), self.buckets, [(size,) for size in self._steps])
         step = self._steps.get(size)
         entries = inputs.lists.view.kv_indices.shape[-1] if inputs.lists is not None else 0
         if step is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TypeVar
@@ -56,9 +56,13 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return [*small, *range(64, max_batch_size, 32), max_batch_size]
 
 
-def held_bucket(own: tuple[int, ...], made: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
-    """The bucket a step whose own bucket is ``own`` replays in: the smallest bucket already made that holds it
-    within ``PADDING_SLACK`` times its size in every dimension (none where it has none), else its own."""
+def held_bucket(counts: tuple[int, ...], sizes: Sequence[int], made: Collection[tuple[int, ...]]) -> tuple[int, ...]:
+    """The bucket a step of ``counts`` requests (one count a dimension) replays in: its own (each count padded to
+    the next of ``sizes``, none where it has none) when made, else the smallest made bucket holding it within
+    ``PADDING_SLACK`` times its own in every dimension, else its own (to be made)."""
+    own = tuple(next(size for size in sizes if size >= count) if count else 0 for count in counts)
+    if own in made:
+        return own
     holding = [
         key for key in made if all(need <= size <= PADDING_SLACK * need for need, size in zip(own, key, strict=True))
     ]
@@ -170,7 +174,7 @@ class StepGraphs:
         bucket's bound, one admitted later with a longer budget, captures the bucket again)."""
         num_drafts = metadata.num_drafts
         num_verifies = metadata.full.kv_indptr.shape[0] - 1
-        key = held_bucket((self._bucket(num_drafts), self._bucket(num_verifies)), self._steps)
+        key = held_bucket((num_drafts, num_verifies), self.buckets, self._steps)
         lists = num_drafts > 0 and metadata.draft_choice is None  # the runner built the draft lists
         draft_count = metadata.draft[self.first_sparse].kv_indices.shape[-1] if lists else 0
         full_count = metadata.full.kv_indices.shape[-1]
@@ -211,9 +215,6 @@ class StepGraphs:
         # Verify j's row is the dynamic step's: real verifies come first.
         metadata.mass, metadata.mass_layers = step.metadata.mass, step.metadata.mass_layers
         return logits[: len(rows)]
-
-    def _bucket(self, count: int) -> int:
-        return next(size for size in self.buckets if size >= count) if count else 0
 
     def _static_step(
         self,

@@ -52,18 +52,21 @@ def test_bucket_sizes_cover_every_batch_once():
         assert sizes == sorted(set(sizes)) and sizes[-1] == maximum
 
 
+SIZES = bucket_sizes(256)
+
+
 def test_a_step_replays_a_bucket_made_within_twice_its_own():
-    made = [(0, 256), (256, 0), (256, 4), (160, 4)]
-    assert held_bucket((224, 0), made) == (256, 0)
-    assert held_bucket((96, 0), made) == (96, 0), "pads more than twice its requests"
-    assert held_bucket((128, 2), made) == (160, 4), "not the smallest that holds it"
-    assert held_bucket((224, 1), made) == (224, 1), "4 verifies pad more than twice its one"
-    assert held_bucket((0, 160), made) == (0, 256)
-    assert held_bucket((4, 256), made) == (4, 256), "a bucket without drafts holds no step with drafts"
-    assert held_bucket((8,), [(16,), (32,)]) == (16,)
+    made = [(0, 256), (256, 0), (256, 4), (160, 4)]  # counts below are bucket sizes: each its own bucket
+    assert held_bucket((224, 0), SIZES, made) == (256, 0)
+    assert held_bucket((96, 0), SIZES, made) == (96, 0), "pads more than twice its requests"
+    assert held_bucket((128, 2), SIZES, made) == (160, 4), "not the smallest that holds it"
+    assert held_bucket((224, 1), SIZES, made) == (224, 1), "4 verifies pad more than twice its one"
+    assert held_bucket((0, 160), SIZES, made) == (0, 256)
+    assert held_bucket((4, 256), SIZES, made) == (4, 256), "a bucket without drafts holds no step with drafts"
+    assert held_bucket((8,), SIZES, [(16,), (32,)]) == (16,)
 
 
-def test_a_draining_batch_replays_the_buckets_it_made(monkeypatch):
+def test_a_draining_batch_replays_the_buckets_it_made():
     """Eight requests finishing one after another pass through buckets of 8, 4, 2 and 1 verifies: the steps of
     4 and 3 replay the bucket of 8, the step of 1 the bucket of 2 (so a GPU captures two graphs, not four), and
     the tokens are the dynamic path's."""
