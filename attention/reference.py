@@ -20,6 +20,7 @@ Layout conventions (shared by every implementation of these ops):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -45,6 +46,8 @@ MASS_DTYPE = torch.bfloat16
 MASS_MAX_LOG2 = 120.0
 #: The most (scored query, GQA head) rows of one request: the kernel scores them in one tile of rows.
 MAX_SCORED_ROWS = 64
+#: Logits of one batched pass of the reference attention (64 MiB of fp32): more requests of a shape go in runs.
+REFERENCE_CHUNK_ELEMENTS = 1 << 24
 LOG2E = 1.4426950408889634
 #: The key sketch a query-aware draft scores every cached key on: each key quantised symmetrically to signed 4-bit
 #: codes (-7 .. 7, stored + 8: two channels a byte, channel 2i in the low nibble) with one fp32 scale a key and KV
@@ -78,11 +81,13 @@ def store_kv(
     v_cache.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _visible_mask(q_len: int, kv_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    """``[q_len, kv_len]`` bool: which list entries each query token of a request may attend to."""
-    last_visible = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
-    entry = torch.arange(kv_len, device=device)[None, :]
-    visible = entry <= last_visible
+def _visible_mask(q_len: int, kv_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
+    """``[B, q_len, width]`` bool: which list entries each query token of each request (its list ``kv_lens[b]``
+    long, padded to ``width``) may attend to."""
+    query = torch.arange(q_len, device=kv_lens.device)[None, :, None]
+    entry = torch.arange(width, device=kv_lens.device)[None, None, :]
+    last_visible = query + (kv_lens - q_len)[:, None, None]
+    visible = entry <= last_visible  # entries past a list lie past its last query's
     if sliding_window is not None:
         visible &= entry > last_visible - sliding_window
     return visible
@@ -162,50 +167,103 @@ def paged_attention(
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
-    group = num_heads // num_kv_heads
     per_head_lists = kv_indices.dim() == 2
     if mass is not None and (per_head_lists or sliding_window is not None):
         raise ValueError("the verify mass is scored over full lists only (shared by the KV heads, no window)")
-    scored = num_scored_queries.tolist() if mass is not None else None
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=query.device)
-    q_bounds = cu_seqlens_q.tolist()
-    kv_starts = kv_indptr.tolist()
-    kv_ends = kv_starts[1:] if kv_ends is None else kv_ends.tolist()
-    kv_head_index = torch.arange(num_kv_heads, device=query.device)[:, None]
-    for b in range(len(q_bounds) - 1):
-        q_start, q_end = q_bounds[b], q_bounds[b + 1]
-        kv_start, kv_end = kv_starts[b], kv_ends[b]
-        q_len, kv_len = q_end - q_start, kv_end - kv_start
-        if q_len == 0 or kv_len == 0:
-            continue
-        if per_head_lists:
-            slots = kv_indices[:, kv_start:kv_end]  # [Hkv, L]
-            keys = k_cache[slots.clamp(min=0), kv_head_index]  # [Hkv, L, D]
-            values = v_cache[slots.clamp(min=0), kv_head_index]
-            valid = (slots >= 0)[:, None, None, :]  # [Hkv, 1, 1, L]
-        else:
-            slots = kv_indices[kv_start:kv_end]
-            keys = k_cache[slots].transpose(0, 1)  # [Hkv, L, D]
-            values = v_cache[slots].transpose(0, 1)
-            valid = torch.ones(1, 1, 1, kv_len, dtype=torch.bool, device=query.device)
-        q = query[q_start:q_end].float().reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        logits = torch.matmul(q, keys.float().transpose(-1, -2)[:, None]) * scale  # [Hkv, G, q_len, L]
-        visible = valid & _visible_mask(q_len, kv_len, sliding_window, query.device)
-        logits = logits.masked_fill(~visible, float("-inf"))
-        request_lse = torch.logsumexp(logits, dim=-1)  # [Hkv, G, q_len]
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows that see nothing give zeros
-        request_out = torch.matmul(probs, values.float()[:, None])  # [Hkv, G, q_len, D]
-        out[q_start:q_end] = request_out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
-        lse[q_start:q_end] = request_lse.permute(2, 0, 1).reshape(q_len, num_heads)
-        count = min(scored[b], q_len) if scored is not None else 0
-        if count:
-            scored_logits = logits[:, :, q_len - count :]
-            ends = torch.matmul(q[:, :, q_len - count :], keys.float()[:, None, [0, -1]].transpose(-1, -2)) * scale
-            base = ends.amax(dim=-1, keepdim=True)  # [Hkv, G, count, 1]: the larger of the first and last entry's
-            weights = torch.exp2(((scored_logits - base) * LOG2E).clamp(max=MASS_MAX_LOG2))  # invisible: 0
-            mass[:, b, :kv_len] = weights.sum(dim=(1, 2)).to(mass.dtype)
+    q_starts, kv_starts = cu_seqlens_q[:-1], kv_indptr[:-1]
+    kv_lens = (kv_indptr[1:] if kv_ends is None else kv_ends) - kv_starts
+    scored = num_scored_queries.tolist() if mass is not None else None
+    for q_len, count, requests in _runs((cu_seqlens_q[1:] - q_starts).tolist(), kv_lens.tolist(), scored, num_heads):
+        index = torch.tensor(requests, device=query.device)
+        run = _Run(index, q_starts[index], kv_starts[index], kv_lens[index], q_len, count)
+        _attend(query, k_cache, v_cache, run, kv_indices, scale, sliding_window, out, lse, mass)
     return out.to(query.dtype), lse
+
+
+class _Run(NamedTuple):
+    """Requests of a packed batch attended together (``_runs``)."""
+
+    requests: torch.Tensor  # their indices in the batch
+    q_starts: torch.Tensor
+    kv_starts: torch.Tensor
+    kv_lens: torch.Tensor
+    q_len: int  # every request's
+    scored: int  # every request's scored queries (0: no mass)
+
+
+def _runs(
+    q_lens: list[int], kv_lens: list[int], scored: list[int] | None, num_heads: int
+) -> Iterator[tuple[int, int, list[int]]]:
+    """Requests attended together, as (query count, scored queries, requests): those of the same query count and
+    scored queries whose lists are within twice each other's length (lists padded to the longest waste at most
+    half a run's work), in runs whose padded logits stay within ``REFERENCE_CHUNK_ELEMENTS``. Requests that see
+    nothing are left out. A run's products pad each request's list, so its numbers may differ from its own
+    pass in the last bit, as a GEMM's rows do with the batch."""
+    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if q_len > 0 and kv_len > 0:
+            count = min(scored[b], q_len) if scored is not None else 0
+            by_shape.setdefault((q_len, count, (kv_len - 1).bit_length()), []).append(b)
+    for (q_len, count, width_bits), requests in by_shape.items():
+        per_run = max(1, REFERENCE_CHUNK_ELEMENTS // (num_heads * q_len * (1 << width_bits)))
+        for first in range(0, len(requests), per_run):
+            yield q_len, count, requests[first : first + per_run]
+
+
+def _attend(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    run: _Run,
+    kv_indices: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mass: torch.Tensor | None,
+) -> None:
+    """``paged_attention`` of one run of requests, each list padded to the run's longest (padding masked out):
+    its queries' rows of ``out`` and ``lse``, and its rows of ``mass``."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    count, q_len, width = run.requests.shape[0], run.q_len, int(run.kv_lens.max())
+    entry = torch.arange(width, device=query.device)
+    in_list = entry < run.kv_lens[:, None]  # [B, L]
+    at = torch.where(in_list, run.kv_starts[:, None] + entry, run.kv_starts[:, None])  # padding reads an entry
+    if kv_indices.dim() == 2:  # a list per KV head, -1 entries padding
+        slots = torch.where(in_list[:, None], kv_indices[:, at].transpose(0, 1), -1)  # [B, Hkv, L]
+        heads = torch.arange(num_kv_heads, device=query.device)[:, None]
+        keys = k_cache[slots.clamp(min=0), heads]  # [B, Hkv, L, D]
+        values = v_cache[slots.clamp(min=0), heads]
+        valid = (slots >= 0)[:, :, None, None, :]  # [B, Hkv, 1, 1, L]
+    else:
+        slots = kv_indices[at]  # [B, L]
+        keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache[slots].transpose(1, 2)
+        valid = in_list[:, None, None, None, :]
+    tokens = run.q_starts[:, None] + torch.arange(q_len, device=query.device)  # [B, q_len]
+    q = query[tokens].float().reshape(count, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)[:, :, None]) * scale  # [B, Hkv, G, q_len, L]
+    visible = valid & _visible_mask(q_len, run.kv_lens, width, sliding_window)[:, None, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    request_lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, G, q_len]
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows that see nothing give zeros
+    request_out = torch.matmul(probs, values.float()[:, :, None])  # [B, Hkv, G, q_len, D]
+    out[tokens] = request_out.permute(0, 3, 1, 2, 4).reshape(count, q_len, num_heads, head_dim)
+    lse[tokens] = request_lse.permute(0, 3, 1, 2).reshape(count, q_len, num_heads)
+    if mass is None or not run.scored:
+        return
+    scored = slice(q_len - run.scored, q_len)  # each request's last queries
+    last = (run.kv_lens - 1)[:, None, None, None].expand(-1, num_kv_heads, 1, head_dim)
+    ends = torch.cat([keys[:, :, :1], keys.gather(2, last)], dim=2).float()  # [B, Hkv, 2, D]: first, last entry
+    base = (torch.matmul(q[:, :, :, scored], ends[:, :, None].transpose(-1, -2)) * scale).amax(dim=-1, keepdim=True)
+    weights = torch.exp2(((logits[:, :, :, scored] - base) * LOG2E).clamp(max=MASS_MAX_LOG2))  # invisible: 0
+    summed = weights.sum(dim=(2, 3)).transpose(0, 1).to(mass.dtype)  # [Hkv, B, L]
+    kept = mass[:, run.requests, :width]  # entries past a list keep what they held
+    mass[:, run.requests, :width] = torch.where(in_list, summed, kept)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -321,6 +321,59 @@ def test_per_head_lists_with_padding(gqa_ratio, impl):
     _check(batch.run(impl, indptr, indices), _expected_per_head(batch, keep))
 
 
+def test_the_reference_attends_requests_of_a_shape_together():
+    """The reference attends requests of the same query count and scored queries, whose lists are within twice
+    each other's length, in one pass (lists padded to the longest), in runs whose padded logits stay within
+    ``REFERENCE_CHUNK_ELEMENTS``; requests that see nothing are left out."""
+    q_lens = [1, 1, 9, 1, 9, 1, 0, 9]
+    kv_lens = [30, 50, 60, 64, 70, 65, 10, 0]
+    scored = [0, 0, 9, 0, 4, 0, 0, 9]
+    runs = list(reference._runs(q_lens, kv_lens, scored, num_heads=6))
+    assert sorted(runs) == [(1, 0, [0]), (1, 0, [1, 3]), (1, 0, [5]), (9, 4, [4]), (9, 9, [2])]
+    limit = 6 * 1 * 64  # one request of a list of up to 64 a run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reference, "REFERENCE_CHUNK_ELEMENTS", limit)
+        assert [r for r in reference._runs(q_lens, kv_lens, scored, 6) if r[0] == 1] == [
+            (1, 0, [0]), (1, 0, [1]), (1, 0, [3]), (1, 0, [5])
+        ]  # fmt: skip
+
+
+@pytest.mark.parametrize("limit", [1, 3_000])
+def test_runs_of_requests_give_what_one_pass_gives(monkeypatch, limit):
+    """However the reference's runs split a batch (limit 1: a request a run; 3,000: a few), outputs, log-sum-exps
+    and the verify mass equal one pass's up to rounding (a padded product may round a row's last bit otherwise)
+    and the dense expectation, with shared lists (mass scored, requests of equal shapes) and per-head lists."""
+    lens = [(9, 70), (1, 20), (9, 9), (5, 130), (40, 200), (1, 3), (1, 30), (1, 30), (1, 40), (9, 50), (9, 60)]
+    scored = torch.tensor([9, 0, 4, 2, 5, 1, 0, 1, 0, 9, 9])
+    batch = _Batch(lens, 6, 2, 64, seed=3)
+    keep = _random_subsets(batch, [[kv // 2, kv // 3] for _, kv in lens], torch.Generator().manual_seed(3))
+    per_head = _per_head_lists(batch, keep, [1, 0, 2, 0, 3, 1, 0, 1, 2, 0, 1], torch.Generator().manual_seed(4))
+
+    def attend() -> tuple[torch.Tensor, ...]:
+        mass = torch.full((2, len(lens), 208), 7.0, dtype=reference.MASS_DTYPE)
+        shared = batch.run(reference.paged_attention, *batch.shared_lists(), mass=mass, num_scored_queries=scored)
+        return *shared, mass, *batch.run(reference.paged_attention, *per_head)
+
+    one_pass = attend()
+    monkeypatch.setattr(reference, "REFERENCE_CHUNK_ELEMENTS", limit)
+    runs = []
+    attend_run = reference._attend
+    monkeypatch.setattr(reference, "_attend", lambda *args: runs.append(args[3]) or attend_run(*args))
+    in_runs = attend()
+    assert len(runs) == 2 * len(lens) if limit == 1 else 2 * 5 < len(runs) < 2 * len(lens)
+    for actual, expected in zip(in_runs, one_pass, strict=True):
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-6)
+    _check(one_pass[:2], batch.expected_shared())
+    _check(one_pass[3:], _expected_per_head(batch, keep))
+    written = torch.zeros_like(one_pass[2], dtype=torch.bool)
+    for b, ((_, kv_len), count) in enumerate(zip(lens, scored.tolist(), strict=True)):
+        written[:, b, :kv_len] = count > 0
+    torch.testing.assert_close(
+        one_pass[2].float()[written], _expected_mass(batch, scored.tolist(), 208)[written], atol=1e-6, rtol=8e-3
+    )
+    assert (one_pass[2][~written] == 7).all()
+
+
 def test_per_head_list_all_padding_gives_zero_output(impl):
     """A decode head whose list is only padding outputs zeros with lse -inf; the other heads are unaffected."""
     batch = _Batch([(1, 5)], 4, 2, 64, seed=5)
