@@ -46,7 +46,8 @@ MASS_DTYPE = torch.bfloat16
 MASS_MAX_LOG2 = 120.0
 #: The most (scored query, GQA head) rows of one request: the kernel scores them in one tile of rows.
 MAX_SCORED_ROWS = 64
-#: Logits of one batched pass of the reference attention (64 MiB of fp32): more requests of a shape go in runs.
+#: The largest tensors of one batched pass of the reference attention, its logits or its gathered K and V, hold at most
+#: this many elements (64 MiB of fp32): more requests of a shape go in runs.
 REFERENCE_CHUNK_ELEMENTS = 1 << 24
 LOG2E = 1.4426950408889634
 #: The key sketch a query-aware draft scores every cached key on: each key quantised symmetrically to signed 4-bit
@@ -175,7 +176,8 @@ def paged_attention(
     q_starts, kv_starts = cu_seqlens_q[:-1], kv_indptr[:-1]
     kv_lens = (kv_indptr[1:] if kv_ends is None else kv_ends) - kv_starts
     scored = num_scored_queries.tolist() if mass is not None else None
-    for q_len, count, requests in _runs((cu_seqlens_q[1:] - q_starts).tolist(), kv_lens.tolist(), scored, num_heads):
+    q_lens = (cu_seqlens_q[1:] - q_starts).tolist()
+    for q_len, count, requests in _runs(q_lens, kv_lens.tolist(), scored, num_heads, 2 * num_kv_heads * head_dim):
         index = torch.tensor(requests, device=query.device)
         run = _Run(index, q_starts[index], kv_starts[index], kv_lens[index], q_len, count)
         _attend(query, k_cache, v_cache, run, kv_indices, scale, sliding_window, out, lse, mass)
@@ -194,11 +196,12 @@ class _Run(NamedTuple):
 
 
 def _runs(
-    q_lens: list[int], kv_lens: list[int], scored: list[int] | None, num_heads: int
+    q_lens: list[int], kv_lens: list[int], scored: list[int] | None, num_heads: int, kv_row: int
 ) -> Iterator[tuple[int, int, list[int]]]:
     """Requests attended together, as (query count, scored queries, requests): those of the same query count and
     scored queries whose lists are within twice each other's length (lists padded to the longest waste at most
-    half a run's work), in runs whose padded logits stay within ``REFERENCE_CHUNK_ELEMENTS``. Requests that see
+    half a run's work), in runs whose padded logits and gathered K/V (``kv_row`` elements a list entry) stay within
+    ``REFERENCE_CHUNK_ELEMENTS``. Requests that see
     nothing are left out. A run's products pad each request's list, so its numbers may differ from its own
     pass in the last bit, as a GEMM's rows do with the batch."""
     by_shape: dict[tuple[int, int, int], list[int]] = {}
@@ -207,7 +210,7 @@ def _runs(
             count = min(scored[b], q_len) if scored is not None else 0
             by_shape.setdefault((q_len, count, (kv_len - 1).bit_length()), []).append(b)
     for (q_len, count, width_bits), requests in by_shape.items():
-        per_run = max(1, REFERENCE_CHUNK_ELEMENTS // (num_heads * q_len * (1 << width_bits)))
+        per_run = max(1, REFERENCE_CHUNK_ELEMENTS // (max(num_heads * q_len, kv_row) << width_bits))
         for first in range(0, len(requests), per_run):
             yield q_len, count, requests[first : first + per_run]
 

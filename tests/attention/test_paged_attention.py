@@ -323,24 +323,31 @@ def test_per_head_lists_with_padding(gqa_ratio, impl):
 
 def test_the_reference_attends_requests_of_a_shape_together():
     """The reference attends requests of the same query count and scored queries, whose lists are within twice
-    each other's length, in one pass (lists padded to the longest), in runs whose padded logits stay within
-    ``REFERENCE_CHUNK_ELEMENTS``; requests that see nothing are left out."""
+    each other's length, in one pass (lists padded to the longest), in runs whose padded logits and gathered K/V
+    stay within ``REFERENCE_CHUNK_ELEMENTS``; requests that see nothing are left out."""
     q_lens = [1, 1, 9, 1, 9, 1, 0, 9]
     kv_lens = [30, 50, 60, 64, 70, 65, 10, 0]
     scored = [0, 0, 9, 0, 4, 0, 0, 9]
-    runs = list(reference._runs(q_lens, kv_lens, scored, num_heads=6))
+    runs = list(reference._runs(q_lens, kv_lens, scored, num_heads=6, kv_row=2))
     assert sorted(runs) == [(1, 0, [0]), (1, 0, [1, 3]), (1, 0, [5]), (9, 4, [4]), (9, 9, [2])]
-    limit = 6 * 1 * 64  # one request of a list of up to 64 a run
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(reference, "REFERENCE_CHUNK_ELEMENTS", limit)
-        assert [r for r in reference._runs(q_lens, kv_lens, scored, 6) if r[0] == 1] == [
+        patch.setattr(reference, "REFERENCE_CHUNK_ELEMENTS", 6 * 64)  # the logits of one decode of a list of 64
+        assert [r for r in reference._runs(q_lens, kv_lens, scored, 6, kv_row=2) if r[0] == 1] == [
             (1, 0, [0]), (1, 0, [1]), (1, 0, [3]), (1, 0, [5])
+        ]  # fmt: skip
+        # The gathered K/V bound a run too: 2 x 2 KV heads x 64 elements a list entry.
+        assert [r for r in reference._runs(q_lens, kv_lens, scored, 6, kv_row=256) if r[0] == 1] == [
+            (1, 0, [0]), (1, 0, [1]), (1, 0, [3]), (1, 0, [5])
+        ]  # fmt: skip
+        patch.setattr(reference, "REFERENCE_CHUNK_ELEMENTS", 256 * 64 * 2)  # two such requests
+        assert [r for r in reference._runs(q_lens, kv_lens, scored, 6, kv_row=256) if r[0] == 1] == [
+            (1, 0, [0]), (1, 0, [1, 3]), (1, 0, [5])
         ]  # fmt: skip
 
 
-@pytest.mark.parametrize("limit", [1, 3_000])
+@pytest.mark.parametrize("limit", [1, 40_000])
 def test_runs_of_requests_give_what_one_pass_gives(monkeypatch, limit):
-    """However the reference's runs split a batch (limit 1: a request a run; 3,000: a few), outputs, log-sum-exps
+    """However the reference's runs split a batch (limit 1: a request a run; 40,000: a few), outputs, log-sum-exps
     and the verify mass equal one pass's up to rounding (a padded product may round a row's last bit otherwise)
     and the dense expectation, with shared lists (mass scored, requests of equal shapes) and per-head lists."""
     lens = [(9, 70), (1, 20), (9, 9), (5, 130), (40, 200), (1, 3), (1, 30), (1, 30), (1, 40), (9, 50), (9, 60)]
