@@ -201,9 +201,8 @@ def _runs(
     """Requests attended together, as (query count, scored queries, requests): those of the same query count and
     scored queries whose lists are within twice each other's length (lists padded to the longest waste at most
     half a run's work), in runs whose padded logits and gathered K/V (``kv_row`` elements a list entry) stay within
-    ``REFERENCE_CHUNK_ELEMENTS``. Requests that see
-    nothing are left out. A run's products pad each request's list, so its numbers may differ from its own
-    pass in the last bit, as a GEMM's rows do with the batch."""
+    ``REFERENCE_CHUNK_ELEMENTS``. Requests that see nothing are left out. A run's products pad each request's list,
+    so its numbers may differ from its own pass in the last bit, as a GEMM's rows do with the batch."""
     by_shape: dict[tuple[int, int, int], list[int]] = {}
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
         if q_len > 0 and kv_len > 0:
@@ -238,9 +237,8 @@ def _attend(
     at = torch.where(in_list, run.kv_starts[:, None] + entry, run.kv_starts[:, None])  # padding reads an entry
     if kv_indices.dim() == 2:  # a list per KV head, -1 entries padding
         slots = torch.where(in_list[:, None], kv_indices[:, at].transpose(0, 1), -1)  # [B, Hkv, L]
-        heads = torch.arange(num_kv_heads, device=query.device)[:, None]
-        keys = k_cache[slots.clamp(min=0), heads]  # [B, Hkv, L, D]
-        values = v_cache[slots.clamp(min=0), heads]
+        rows = slots.clamp(min=0), torch.arange(num_kv_heads, device=query.device)[:, None]
+        keys, values = k_cache[rows], v_cache[rows]  # [B, Hkv, L, D]
         valid = (slots >= 0)[:, :, None, None, :]  # [B, Hkv, 1, 1, L]
     else:
         slots = kv_indices[at]  # [B, L]
