@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ _DRAFT_LIST_COPIES = 4
 SKETCH_SCALE_BYTES = 4
 # Share of the host's available memory a CPU pool may take when sized automatically.
 _HOST_MEMORY_FRACTION = 0.25
+# What PyTorch's CUDA caching allocator rounds a large allocation's segment up to (its kRoundLarge).
+ALLOCATOR_SEGMENT_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -84,16 +87,17 @@ class KVPool:
     ) -> None:
         self.num_slots = num_slots
         self.scratch_slot = num_slots
-        self.k = [torch.empty(num_slots + 1, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layers]
-        self.v = [torch.empty_like(k) for k in self.k]
+        rows = num_slots + 1
+        self.k = [_pool_tensor((rows, s.num_kv_heads, s.head_dim), dtype, device) for s in layers]
+        self.v = [_pool_tensor((rows, s.num_kv_heads, s.head_dim), dtype, device) for s in layers]
         self.codes = [
-            torch.empty(num_slots + 1, s.num_kv_heads, s.head_dim // 2, dtype=torch.uint8, device=device)
+            _pool_tensor((rows, s.num_kv_heads, s.head_dim // 2), torch.uint8, device)
             if s.layer_idx in sketched
             else None
             for s in layers
         ]
         self.scales = [
-            torch.empty(num_slots + 1, s.num_kv_heads, device=device) if s.layer_idx in sketched else None
+            _pool_tensor((rows, s.num_kv_heads), torch.float32, device) if s.layer_idx in sketched else None
             for s in layers
         ]
         self.allocator = SlotAllocator(num_slots)
@@ -108,6 +112,20 @@ class KVPool:
         index = to_device([sources, destinations], self.k[0].device)
         for rows in self.slot_tensors():
             rows[index[1]] = rows[index[0]]
+
+
+def _pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty(shape)`` that fills whole allocator segments on a GPU. PyTorch's caching allocator gives a
+    tensor over 10 MiB a segment rounded up to ``ALLOCATOR_SEGMENT_BYTES`` and lends the rest to later allocations; a
+    long-lived one there (the projections ``wrap()`` fuses, made after the pool and kept by the model) would keep
+    the segment, pool and all, from going back to the driver once the engine is dropped: the next engine in the
+    process found 33 of an H100's 78 GB held so, and sized its pool at half the first one's."""
+    if device.type != "cuda":
+        return torch.empty(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    element = torch.empty((), dtype=dtype).element_size()
+    padded = -(-numel * element // ALLOCATOR_SEGMENT_BYTES) * ALLOCATOR_SEGMENT_BYTES
+    return torch.empty(padded, dtype=torch.uint8, device=device).view(dtype)[:numel].view(shape)
 
 
 def bytes_per_token(layers: Sequence[LayerSpec], dtype: torch.dtype, sketched: Collection[int] = ()) -> int:
