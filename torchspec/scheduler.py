@@ -279,9 +279,10 @@ class Scheduler:
         blocked |= self._share_prompts(blocked)
         if self.policy is not None:
             self.policy.step_share = self.draft_step_budget // max(1, len(self.running))
-        if self.round_length.adaptive:
+        decode = not self._filling(blocked)  # a wave of prompts prefills before anything decodes (see _filling)
+        if self.round_length.adaptive and decode:
             starting = [r.spec_stats for r in self.running if r.decoding and r.round.length is None]
-            self._length = 0 if self._filling() else self.round_length.choose(starting)
+            self._length = self.round_length.choose(starting)
         pending = {id(item.request): item for item in in_flight.scheduled} if in_flight is not None else {}
         self._verifies_ahead = None
         decoding: list[tuple[Request, ScheduledRequest]] = []
@@ -293,7 +294,7 @@ class Scheduler:
             item = pending.get(id(request))
             if item is None:
                 if request.decoding:
-                    if len(decoding) < starts:
+                    if decode and len(decoding) < starts:
                         decoding.append((request, self._next_step(request)))
                 else:
                     prefilling.append((request, None, 0))
@@ -301,6 +302,8 @@ class Scheduler:
             ahead = item.end_position - request.num_computed_tokens  # what the step in flight computes
             if item.phase is Phase.PREFILL and not item.samples:
                 prefilling.append((request, None, ahead))
+            elif not decode:
+                continue
             elif self._runs_on(item):
                 decoding.append((request, ScheduledRequest(request, Phase.VERIFY, 1, ahead=ahead)))
             elif (ahead_step := self._step_ahead(request, item)) is not None and len(decoding) < starts:
@@ -366,13 +369,20 @@ class Scheduler:
             return
         self.round_length.observe(len(plan.scheduled), plan.round_length, wall_ms, draft_ms)
 
-    def _filling(self) -> bool:
-        """The batch is still filling: its pending prompt tokens exceed one step's budget. Its steps then
-        decode plainly, since each step of the ramp holds another number of decoding requests, and a round
-        at each of them would capture graphs (and compile kernels) for batch sizes used once (W1: 35 s of
-        its first 20 steps). A newcomer joining a running batch usually fits one step, so rounds go on around
-        it; one whose prompt is longer than a step's budget pauses them for the steps its prompt takes."""
-        pending = sum(request.num_pending_tokens for request in self.running if not request.decoding)
+    def _filling(self, blocked: set[int]) -> bool:
+        """The batch is still filling: its pending prompt tokens exceed one step's budget. Its steps then only
+        prefill, and decoding starts (or goes on) once the rest fits one step (prompts that sit the step out,
+        ``blocked``, do not count: the decoding requests may be what they wait for). A batch decoding while it fills
+        runs each step at another batch size, and each size captures its graphs (and compiles kernel variants)
+        once, for a step or two: W3 with offload, its 1,024 requests admitted at once, captured ~45 of its 69
+        graphs on its way up (~2.7 s), and W1 spent 35 s of its first 20 steps so before graphs were shared.
+        A newcomer joining a running batch usually fits one step, so decoding goes on around it; one whose prompt
+        is longer than a step's budget pauses the others for the steps its prompt takes."""
+        pending = sum(
+            request.num_pending_tokens
+            for request in self.running
+            if not request.decoding and id(request) not in blocked
+        )
         return pending > self.max_step_tokens
 
     def _runs_on(self, item: ScheduledRequest) -> bool:

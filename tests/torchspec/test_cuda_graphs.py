@@ -110,7 +110,7 @@ def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
     decoding and sparse drafts (query_sketch's chosen in the forward, on the device): 3 decoding requests pad to a
     bucket of 4 (padding writes the scratch slot, reads nothing), and speculative steps mixing drafts and verifies
     (PillarAttn's verify scores included) really ran through the buckets, their verify mass in one storage that
-    the buckets share, and so are their logits.
+    the buckets share, and so are their logits (a later call's smaller bucket's too).
 
     Protects the padding and buffer refresh of cuda_graphs.py: a stale slot list or query offset, a padding
     request that reads or writes a real slot, a verify score read at the wrong entry, or a wrong row of
@@ -134,7 +134,10 @@ def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
     masses = [step.metadata.mass for step in runner.graphs._steps.values() if step.metadata.mass is not None]
     storages = {mass.untyped_storage().data_ptr() for mass in masses}
     assert len(storages) == (1 if draft == "pillar_recent" else 0), storages
-    # So are their logits (a graph keeping its own ran an H100's W3 with offload out of memory).
+    # So are their logits (a graph keeping its own ran an H100's W3 with offload out of memory), a smaller batch's
+    # bucket's too.
+    wrapped.generate(**Batch((5,), seed=4).kwargs(), max_new_tokens=6, do_sample=False)
+    buckets = set(runner.graphs._steps)
     logits = {step.logits.untyped_storage().data_ptr() for step in runner.graphs._steps.values()}
     assert len(logits) == 1 and len(buckets) > 1, (logits, buckets)
 
