@@ -7,7 +7,9 @@
 #               pillar_recent, then pillar_recent+offload; a W3 setting takes 2.5-3 minutes on an H200)
 #   w3-natural  W3 with EOS respected
 # Records land in OUT_DIR as JSON lines (written as each setting ends, so a part cut at its limit keeps the
-# settings it finished).
+# settings it finished). On a fresh machine run w1 (or any part) first and compare W3 pairs on a machine that already
+# ran one: session 30's first W3-natural pair on a fresh H100 spent 23 s of its offload run capturing graphs (3.5 s
+# of it Triton compiles; the rest not explained) and measured 1.14x, the same pair run again there 1.27x.
 set -uo pipefail
 model=$1 out=$2 part=$3
 shift 3
