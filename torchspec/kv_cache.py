@@ -123,8 +123,7 @@ def _pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     if device.type != "cuda":
         return torch.empty(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-    element = torch.empty((), dtype=dtype).element_size()
-    padded = -(-numel * element // ALLOCATOR_SEGMENT_BYTES) * ALLOCATOR_SEGMENT_BYTES
+    padded = -(-numel * dtype.itemsize // ALLOCATOR_SEGMENT_BYTES) * ALLOCATOR_SEGMENT_BYTES
     return torch.empty(padded, dtype=torch.uint8, device=device).view(dtype)[:numel].view(shape)
 
 

@@ -279,22 +279,21 @@ class Scheduler:
         blocked |= self._share_prompts(blocked)
         if self.policy is not None:
             self.policy.step_share = self.draft_step_budget // max(1, len(self.running))
-        decode = not self._filling(blocked)  # a wave of prompts prefills before anything decodes (see _filling)
-        if self.round_length.adaptive and decode:
+        starts = self._max_starts(blocked)
+        if self.round_length.adaptive and starts:
             starting = [r.spec_stats for r in self.running if r.decoding and r.round.length is None]
             self._length = self.round_length.choose(starting)
         pending = {id(item.request): item for item in in_flight.scheduled} if in_flight is not None else {}
         self._verifies_ahead = None
         decoding: list[tuple[Request, ScheduledRequest]] = []
         prefilling: list[tuple[Request, None, int]] = []  # no step yet: its chunk is sized below, ``ahead`` on
-        starts = self._max_starts()
         for request in self.running:
             if id(request) in blocked:
                 continue
             item = pending.get(id(request))
             if item is None:
                 if request.decoding:
-                    if decode and len(decoding) < starts:
+                    if len(decoding) < starts:
                         decoding.append((request, self._next_step(request)))
                 else:
                     prefilling.append((request, None, 0))
@@ -302,11 +301,11 @@ class Scheduler:
             ahead = item.end_position - request.num_computed_tokens  # what the step in flight computes
             if item.phase is Phase.PREFILL and not item.samples:
                 prefilling.append((request, None, ahead))
-            elif not decode:
+            elif len(decoding) >= starts:
                 continue
             elif self._runs_on(item):
                 decoding.append((request, ScheduledRequest(request, Phase.VERIFY, 1, ahead=ahead)))
-            elif (ahead_step := self._step_ahead(request, item)) is not None and len(decoding) < starts:
+            elif (ahead_step := self._step_ahead(request, item)) is not None:
                 decoding.append((request, ahead_step))
         # Each forward of the step holds at most max_step_tokens: the first (drafts, verifies, prompt chunks) and
         # the verify forward of the rounds drafted in the step.
@@ -355,9 +354,12 @@ class Scheduler:
                 self._fork_at[id(source)] = shared
         return waiting
 
-    def _max_starts(self) -> int:
-        """Decoding requests whose next step this step may start: all of them, or half with ``stagger`` (rounded
-        up, counting those in flight: the other half is the step in flight, or the next one)."""
+    def _max_starts(self, blocked: set[int]) -> int:
+        """Decoding requests whose next step this step may start: none while the batch fills (``_filling``), all
+        of them, or half with ``stagger`` (rounded up, counting those in flight: the other half is the step in
+        flight, or the next one)."""
+        if self._filling(blocked):
+            return 0
         if not self.stagger:
             return self.max_batch_size
         return -(-sum(request.decoding for request in self.running) // 2)
