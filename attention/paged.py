@@ -27,6 +27,7 @@ LOG2E = reference.LOG2E
 MASS_MAX_LOG2: tl.constexpr = tl.constexpr(reference.MASS_MAX_LOG2)
 MIN_SPLIT_ENTRIES = 256  # a KV split never holds fewer list entries than this
 MAX_SPLITS = 64
+MERGE_TILE = 8192  # partial outputs one merge program combines (heads x splits x head_dim): a few per thread
 # A program's fixed cost in blocks of list entries (pipeline fill, its partial output and the merge's read of
 # it): what one more split costs against shorter chunks. Fitted on the H200: over the (point, case) pairs timed
 # under several split counts (benchmarks/results/kernels_h200_splits.jsonl), the simulated launch time (``_makespan``)
@@ -405,33 +406,38 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    """One (token, head): combine the splits' normalised outputs by their LSE weights. Tokens of a list set
-    that was not split were written straight to the output by the attention kernel."""
-    token = tl.program_id(0) // num_heads
-    head = tl.program_id(0) % num_heads
+    """One token, ``BLOCK_H`` of its heads: combine the splits' normalised outputs by their LSE weights. Tokens of
+    a list set that was not split were written straight to the output by the attention kernel. (A program per
+    (token, head) took 20 us a layer for a verify's 2,304 x 9 rows on an H100.)"""
+    token = tl.program_id(0)
     num_splits = tl.where(token < tl.load(cu_seqlens_q + num_first), splits_first, splits_second)
     if num_splits == 1:
         return
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     splits = tl.arange(0, BLOCK_S)
-    split_valid = splits < num_splits
-    lse = tl.load(PartLse + token * stride_lt + head * stride_lh + splits, mask=split_valid, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    top_safe = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.exp(lse - top_safe)
-    total = tl.sum(weight, axis=0)
     dims = tl.arange(0, BLOCK_D)
+    head_valid = heads < num_heads
+    split_valid = head_valid[:, None] & (splits < num_splits)[None, :]  # [H, S]
+    lse_at = PartLse + token * stride_lt + heads[:, None] * stride_lh + splits[None, :]
+    lse = tl.load(lse_at, mask=split_valid, other=float("-inf"))
+    top = tl.max(lse, axis=1)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp(lse - top_safe[:, None])
+    total = tl.sum(weight, axis=1)
     part = tl.load(
-        PartOut + token * stride_pt + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
-        mask=split_valid[:, None] & (dims < HEAD_DIM)[None, :],
+        PartOut + token * stride_pt + heads[:, None, None] * stride_ph + splits[None, :, None] * stride_ps
+        + dims[None, None, :],
+        mask=split_valid[:, :, None] & (dims < HEAD_DIM)[None, None, :],
         other=0.0,
-    )
-    out = tl.sum(part * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(Out + token * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty), mask=dims < HEAD_DIM)
-    tl.store(
-        Lse + token * num_heads + head,
-        tl.where(total > 0, top_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")),
-    )
+    )  # fmt: skip
+    out = tl.sum(part * weight[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]
+    written = head_valid[:, None] & (dims < HEAD_DIM)[None, :]
+    out_at = Out + token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_at, out.to(Out.dtype.element_ty), mask=written)
+    merged = tl.where(total > 0, top_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    tl.store(Lse + token * num_heads + heads, merged, mask=head_valid)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -736,7 +742,9 @@ def paged_attention(
     _attention_kernel[(programs,)](*args, **constexprs)
     if part is not None:
         part_out, part_lse = part
-        _merge_splits_kernel[(num_tokens * num_heads,)](
+        block_s, block_d = max(2, triton.next_power_of_2(max(splits))), _block_d(head_dim)
+        block_h = min(triton.next_power_of_2(num_heads), max(1, MERGE_TILE // (block_s * block_d)))
+        _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
             part_out,
             part_lse,
             out,
@@ -754,7 +762,8 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
-            BLOCK_D=_block_d(head_dim),
-            BLOCK_S=max(2, triton.next_power_of_2(max(splits))),
+            BLOCK_D=block_d,
+            BLOCK_S=block_s,
+            BLOCK_H=block_h,
         )
     return out, lse

@@ -125,7 +125,7 @@ def _write_by_whole_row(Values, Out, row_offset, out_offset, pad, k, length, off
 
 # One variant per layout: k and lengths are read one a row (rows of a larger tensor: any alignment).
 @triton.jit(
-    do_not_specialize=["k_group", "k_period", "stride_k", "width", "max_k"],
+    do_not_specialize=["k_group", "k_period", "stride_k", "group_rows", "stride_group", "stride_row", "width", "max_k"],
     do_not_specialize_on_alignment=["K", "Lengths"],
 )
 def _top_k_kernel(
@@ -137,6 +137,9 @@ def _top_k_kernel(
     k_group,
     k_period,
     stride_k,
+    group_rows,
+    stride_group,
+    stride_row,
     width,
     max_k,
     HAS_LENGTHS: tl.constexpr,
@@ -153,7 +156,7 @@ def _top_k_kernel(
     row = tl.program_id(0)
     k_at = ((row // k_group) % k_period) * stride_k
     k = tl.load(K + k_at).to(tl.int32)
-    row_offset = row.to(tl.int64) * width
+    row_offset = (row // group_rows).to(tl.int64) * stride_group + (row % group_rows).to(tl.int64) * stride_row
     length = width  # entries read
     if HAS_LENGTHS:
         length = tl.minimum(width, tl.load(Lengths + k_at).to(tl.int32))
@@ -202,7 +205,10 @@ def top_k_positions(
 ) -> torch.Tensor:
     """See :func:`attention.reference.top_k_positions`."""
     *lead, width = values.shape
-    values = values.contiguous()  # no op when it is: rows ``width`` apart
+    strides = _row_strides(values)
+    if strides is None:
+        values = values.contiguous()
+        strides = _row_strides(values)
     rows = values.numel() // max(width, 1)
     out = torch.empty(*lead, max_k, dtype=torch.int32, device=values.device)
     if rows == 0 or max_k == 0:
@@ -234,6 +240,7 @@ def top_k_positions(
         k_group,
         counts.numel(),
         counts.stride(0) if counts.dim() else 0,
+        *strides,
         width,
         max_k,
         HAS_LENGTHS=lengths is not None,
@@ -245,3 +252,19 @@ def top_k_positions(
         num_warps=max(1, min(4, block // 256)),
     )
     return out
+
+
+def _row_strides(values: torch.Tensor) -> tuple[int, int, int] | None:
+    """How the kernel finds the rows of ``values`` in place: ``(group_rows, stride_group, stride_row)``, the rows
+    of its last leading dimension evenly spaced and the groups of them too, each row unit-stride (a contiguous
+    tensor, or any slice of rows and leading columns of one, as PillarAttn's candidates are of the verify mass: no
+    copy of 30 x 3 x 256 x 7K scores); None when they cannot be (the caller copies them first)."""
+    width = values.shape[-1]
+    group_rows = values.shape[-2] if values.dim() > 1 else 1
+    try:
+        groups = values.view(-1, group_rows, width)
+    except RuntimeError:  # leading dimensions that do not merge into evenly spaced groups
+        return None
+    if groups.stride(2) != 1 and width > 1:
+        return None
+    return group_rows, groups.stride(0), groups.stride(1)

@@ -5,7 +5,8 @@
 Runs W1's prompts (256, T=0.65, EOS held back) with ``DRAFT`` (``none`` or a policy) after a 16-token warm-up;
 for ``SPAN`` steps from each step number in ``STEPS`` (comma-separated) it records the GPU's kernels with
 ``torch.profiler`` (CUDA activity only) and prints the wall time per step, the GPU busy time per step (the union
-of kernel intervals), their span, and the kernels by total time. The profiler slows the host (each kernel
+of kernel intervals), their span, the kernels by total time, and the window's first forwards one by one (a
+verify, the drafts of a round) with their time by kind of kernel. The profiler slows the host (each kernel
 launched outside a graph is traced), so the wall times here run above the unprofiled ones; the GPU busy times
 stand. The step windows are counted by one of the engine's ``observers``. Raw H200 output:
 ``results/gpu_busy_profile_h200.txt``.
@@ -25,9 +26,44 @@ from torchspec.bench import gpu_time
 from torchspec.bench.w1 import SAMPLING, warmed_up
 from torchspec.scheduler import StepPlan
 
+#: Kernel kinds of a forward, by what their names hold (the first match; the rest is "other": sampling,
+#: acceptance, list builds, PillarAttn's Top-K, copies).
+KINDS = {
+    "attention": ("_attention_kernel", "_merge_splits_kernel"),
+    "layer ops": ("_rms_norm_kernel", "_rotary_store_kernel", "_silu_and_mul_kernel"),
+    "GEMMs": ("nvjet", "gemm", "cutlass"),
+}
 
-def report(prof: profile, wall_ms: float, steps: int) -> None:
-    """Busy time (union of kernel intervals), span and kernel totals, per step."""
+
+def _kind(name: str) -> str:
+    return next((kind for kind, marks in KINDS.items() if any(mark in name for mark in marks)), "other")
+
+
+def by_forward(kernels: list[gpu_time.Kernel], layers: int, shown: int = 12) -> None:
+    """The window's first ``shown`` forwards, each its kernels from its first layer's RMSNorm to the next
+    forward's (its sampling and the next forward's embedding included): busy time by kind, the verify's longest
+    attention marking it. Fused layers only (a forward launches ``2 * layers + 1`` RMSNorm kernels)."""
+    forwards: list[list[gpu_time.Kernel]] = []
+    norms = 2 * layers + 1
+    seen = norms
+    for kernel in sorted(kernels, key=lambda k: k.start_us):
+        if "_rms_norm_kernel" in kernel.name:
+            if seen == norms:
+                forwards.append([])
+                seen = 0
+            seen += 1
+        if forwards:
+            forwards[-1].append(kernel)
+    for forward in forwards[:shown]:
+        times = collections.Counter()
+        for kernel in forward:
+            times[_kind(kernel.name)] += kernel.end_us - kernel.start_us
+        parts = " ".join(f"{kind} {times[kind] / 1e3:.2f}" for kind in (*KINDS, "other"))
+        print(f"   forward: {len(forward)} kernels, busy {gpu_time.busy_us(forward) / 1e3:.2f} ms ({parts})")
+
+
+def report(prof: profile, wall_ms: float, steps: int, layers: int) -> None:
+    """Busy time (union of kernel intervals), span and kernel totals, per step; then forward by forward."""
     kernels = gpu_time.kernels(prof)
     busy = gpu_time.busy_us(kernels)
     span = max(k.end_us for k in kernels) - min(k.start_us for k in kernels)
@@ -42,6 +78,7 @@ def report(prof: profile, wall_ms: float, steps: int) -> None:
     )
     for name, micros in totals.most_common(22):
         print(f"   {micros / 1e3 / steps:7.3f} ms/step {counts[name] / steps:6.1f}x  {name}")
+    by_forward(kernels, layers)
 
 
 def main() -> None:
@@ -66,7 +103,7 @@ def main() -> None:
             torch.cuda.synchronize()
             wall_ms = 1e3 * (time.perf_counter() - state["start"])
             state["profiler"].__exit__(None, None, None)
-            report(state["profiler"], wall_ms, span)
+            report(state["profiler"], wall_ms, span, wrapped.config.num_hidden_layers)
             state["profiler"] = None
 
     wrapped.engine.observers.append(windowed)

@@ -62,11 +62,12 @@ def test_silu_and_mul(dtype, width):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 48])
-def test_rotary_store_kv_of_a_fused_qkv(dtype, head_dim):
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (9, 3)])
+def test_rotary_store_kv_of_a_fused_qkv(dtype, head_dim, heads, kv_heads):
     """Rotated queries come back; rotated keys and the values land in the cache rows of their slots, and no
-    other row changes."""
+    other row changes (head counts below a power of two: SmolLM2's 9 and 3)."""
     torch.manual_seed(4)
-    tokens, heads, kv_heads = 5, 6, 2
+    tokens = 5
     qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     cos, sin = torch.randn(tokens, head_dim, dtype=dtype), torch.randn(tokens, head_dim, dtype=dtype)

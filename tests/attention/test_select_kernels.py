@@ -105,3 +105,26 @@ def test_lengths_bound_what_each_row_reads(width):
     assert torch.equal(actual.cpu(), expected)
     wide = select_kernels.top_k_positions(garbage.to(DEVICE), k.to(DEVICE) * 20, 800, lengths.to(DEVICE))
     assert torch.equal(wide.cpu(), reference.top_k_positions(values, k * 20, 800, lengths))
+
+
+@pytest.mark.parametrize("width", [300, 3000])
+def test_leading_columns_of_a_wider_tensor_are_read_in_place(width):
+    """PillarAttn's candidates are the first columns of the verify mass: the kernel reads such a view where it
+    lies (the columns past it hold NaN, which a copy would carry along but nothing reads) and picks as from a
+    contiguous copy, as it does a slice of rows of the mass; rows it cannot find by two strides are copied first."""
+    values = _rows(torch.float32, width).view(2, 3, width)
+    padded = torch.full((2, 3, width + 37), float("nan"))
+    padded[..., :width] = values
+    k = torch.tensor([40, 25, 9])
+    expected = reference.top_k_positions(values, k, 40)
+    on_device = padded.to(DEVICE)
+    assert select_kernels._row_strides(on_device[..., :width]) == (3, 3 * (width + 37), width + 37)
+    assert torch.equal(select_kernels.top_k_positions(on_device[..., :width], k.to(DEVICE), 40).cpu(), expected)
+    assert select_kernels._row_strides(on_device[:, 1:, :width]) == (2, 3 * (width + 37), width + 37)
+    rows = select_kernels.top_k_positions(on_device[:, 1:, :width], k[1:].to(DEVICE), 40)
+    assert torch.equal(rows.cpu(), expected[:, 1:])
+    four = torch.full((2, 4, 3, width + 37), float("nan"), device=DEVICE)
+    four[:, :2, :, :width] = values.to(DEVICE)[:, None]
+    assert select_kernels._row_strides(four[:, :2, :, :width]) is None  # (2, 2) groups not evenly spaced: a copy
+    copied = select_kernels.top_k_positions(four[:, :2, :, :width], k.to(DEVICE), 40)
+    assert torch.equal(copied.cpu(), expected[:, None].expand(2, 2, 3, 40))

@@ -1384,3 +1384,20 @@ def test_pillar_batched_verifies_equal_one_by_one(draft):
                 assert torch.equal(one.round.pattern, many.round.pattern)
     assert any(request.round.pattern.dim() == 3 for request in alone), "no context needed picks"
     assert any(request.round.pattern.dim() == 1 for request in alone), "no context was covered by the budget"
+
+
+def test_successors_expand_ascending_picks_without_a_sort():
+    """Each pick brings the positions after it; one a lower pick brought already, one at or past the limit and the
+    successors of -1 padding become -1; the rest stay ascending and hold the same set a sort would give."""
+    picks = torch.tensor([[[-1, -1, 3, 5, 20]], [[0, 1, 2, 9, 11]]])  # [requests, heads, picks]: ascending after -1s
+    limit = torch.tensor([22, 12])[:, None, None]
+    expanded = pillar.expand_successors(picks, 3, limit)
+    assert expanded.tolist() == [
+        [[-1, -1, -1, -1, -1, -1, 3, 4, 5, -1, 6, 7, 20, 21, -1]],
+        [[0, 1, 2, -1, -1, 3, -1, -1, 4, 9, 10, 11, -1, -1, -1]],
+    ]
+    for row, source, cap in zip(expanded.flatten(0, 1), picks.flatten(0, 1), (22, 12), strict=True):
+        kept = row[row >= 0].tolist()
+        assert kept == sorted(set(kept))
+        assert set(kept) == {p + j for p in source.tolist() if p >= 0 for j in range(3) if p + j < cap}
+    assert pillar.expand_successors(picks, 1, 4).tolist() == picks.tolist()
