@@ -205,14 +205,14 @@ def top_k_positions(
 ) -> torch.Tensor:
     """See :func:`attention.reference.top_k_positions`."""
     *lead, width = values.shape
-    strides = _row_strides(values)
-    if strides is None:
-        values = values.contiguous()
-        strides = _row_strides(values)
     rows = values.numel() // max(width, 1)
     out = torch.empty(*lead, max_k, dtype=torch.int32, device=values.device)
     if rows == 0 or max_k == 0:
         return out
+    strides = _row_strides(values)
+    if strides is None:  # rows two strides cannot find: a contiguous copy, whose rows they can
+        values = values.contiguous()
+        strides = _row_strides(values)
     block = BLOCK
     fits = width <= block
     # Thousands of picks a row (a drained batch's drafts read most of their contexts; a query sketch's shortlist):

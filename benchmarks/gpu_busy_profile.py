@@ -41,8 +41,8 @@ def _kind(name: str) -> str:
 
 def by_forward(kernels: list[gpu_time.Kernel], layers: int, shown: int = 12) -> None:
     """The window's first ``shown`` forwards, each its kernels from its first layer's RMSNorm to the next
-    forward's (its sampling and the next forward's embedding included): busy time by kind, the verify's longest
-    attention marking it. Fused layers only (a forward launches ``2 * layers + 1`` RMSNorm kernels)."""
+    forward's (its sampling and the next forward's embedding included): busy time by kind (a round's verify is the
+    forward with the most attention). Fused layers only (a forward launches ``2 * layers + 1`` RMSNorm kernels)."""
     forwards: list[list[gpu_time.Kernel]] = []
     norms = 2 * layers + 1
     seen = norms

@@ -178,7 +178,7 @@ def expand_successors(picks: torch.Tensor, span: int, limit: int | torch.Tensor)
 
 def _in_place(picked: list[tuple[Request, int, int, int, int]]) -> bool:
     """Whether one Top-K reads every request's candidates where they lie in the verify mass: no sinks to mask and
-    consecutive rows (every verify of the step learns), so the scores are a view of evenly spaced rows that needs
-    no bound on its size (``top_k_positions`` reads it in place)."""
+    consecutive rows (a run of the step's verifies, usually all of them), so the scores are a view of evenly spaced
+    rows that needs no bound on its size (``top_k_positions`` reads it in place)."""
     rows = [row for _, row, _, _, _ in picked]
     return not any(sinks for _, _, sinks, _, _ in picked) and rows == list(range(rows[0], rows[0] + len(rows)))
