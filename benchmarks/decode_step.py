@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from torchspec import sparsespec
+from torchspec.bench.gpu_time import kernel_kind
 from torchspec.bench.records import (
     add_engine_arguments,
     add_model_arguments,
@@ -101,22 +102,6 @@ def measure(
     }
 
 
-KERNEL_KINDS = {  # substrings of kernel names -> what the kernel does (first match wins)
-    "_attention_kernel": "attention",
-    "_merge_splits": "attention split merge",
-    "store_kv": "K/V store",
-    "index_copy": "K/V store",
-    "gemm": "matmul",
-    "nvjet": "matmul",
-    "cutlass": "matmul",
-    "triton_": "fused elementwise (compiled)",
-}
-
-
-def _kernel_kind(name: str) -> str:
-    return next((kind for key, kind in KERNEL_KINDS.items() if key in name), "other elementwise / reduction")
-
-
 def profile_replay(graphs: StepGraphs, repeats: int = 10) -> str:
     """torch.profiler over ``repeats`` back-to-back replays of the step's graph: GPU time per kernel kind and
     the kernels that take the most, per replay (where the gap to the roofline goes)."""
@@ -131,7 +116,7 @@ def profile_replay(graphs: StepGraphs, repeats: int = 10) -> str:
     kernels = sorted((k for k in kernels if k[1] > 0), key=lambda k: -k[1])
     kinds: dict[str, list[float]] = {}
     for name, ms, count in kernels:
-        sums = kinds.setdefault(_kernel_kind(name), [0.0, 0.0])
+        sums = kinds.setdefault(kernel_kind(name), [0.0, 0.0])
         sums[0] += ms
         sums[1] += count
     by_kind = sorted(((kind, ms, count) for kind, (ms, count) in kinds.items()), key=lambda k: -k[1])

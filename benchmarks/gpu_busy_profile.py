@@ -26,18 +26,6 @@ from torchspec.bench import gpu_time
 from torchspec.bench.w1 import SAMPLING, warmed_up
 from torchspec.scheduler import StepPlan
 
-#: Kernel kinds of a forward, by what their names hold (the first match; the rest is "other": sampling,
-#: acceptance, list builds, PillarAttn's Top-K, copies).
-KINDS = {
-    "attention": ("_attention_kernel", "_merge_splits_kernel"),
-    "layer ops": ("_rms_norm_kernel", "_rotary_store_kernel", "_silu_and_mul_kernel"),
-    "GEMMs": ("nvjet", "gemm", "cutlass"),
-}
-
-
-def _kind(name: str) -> str:
-    return next((kind for kind, marks in KINDS.items() if any(mark in name for mark in marks)), "other")
-
 
 def by_forward(kernels: list[gpu_time.Kernel], layers: int, shown: int = 12) -> None:
     """The window's first ``shown`` forwards, each its kernels from its first layer's RMSNorm to the next
@@ -57,8 +45,8 @@ def by_forward(kernels: list[gpu_time.Kernel], layers: int, shown: int = 12) -> 
     for forward in forwards[:shown]:
         times = collections.Counter()
         for kernel in forward:
-            times[_kind(kernel.name)] += kernel.end_us - kernel.start_us
-        parts = " ".join(f"{kind} {times[kind] / 1e3:.2f}" for kind in (*KINDS, "other"))
+            times[gpu_time.kernel_kind(kernel.name)] += kernel.end_us - kernel.start_us
+        parts = ", ".join(f"{kind} {micros / 1e3:.2f}" for kind, micros in times.most_common())
         print(f"   forward: {len(forward)} kernels, busy {gpu_time.busy_us(forward) / 1e3:.2f} ms ({parts})")
 
 

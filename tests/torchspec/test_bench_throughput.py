@@ -11,6 +11,7 @@ from PIL import Image
 from benchmarks import decode_step, host_step, plot_timeline, step_profile
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
+from torchspec.bench import gpu_time
 from torchspec.bench.records import parse_setting
 from torchspec.bench.throughput import REQUEST_FIELDS, TRACE_FIELDS, StepTimeline, device_memory_gib, main, measure
 from torchspec.engine import HOST_PHASES
@@ -78,12 +79,12 @@ def test_decode_step_profile_attributes_the_replay_to_kernel_kinds(tmp_path):
 
 def test_kernel_kinds_name_the_step_s_kernels():
     """Kernel names map to what they do (the profile's grouping), with an explicit bucket for the rest."""
-    assert decode_step._kernel_kind("_attention_kernel") == "attention"
-    assert decode_step._kernel_kind("_merge_splits_kernel") == "attention split merge"
-    assert decode_step._kernel_kind("at::native::index_elementwise_kernel<index_copy_kernel_impl>") == "K/V store"
-    assert decode_step._kernel_kind("nvjet_sm90_tst_64x8_64x16_1x4_h_bz_TNT") == "matmul"
-    assert decode_step._kernel_kind("triton_poi_fused__unsafe_view_mul_silu_5") == "fused elementwise (compiled)"
-    assert decode_step._kernel_kind("void at::native::reduce_kernel<512>") == "other elementwise / reduction"
+    assert gpu_time.kernel_kind("_attention_kernel") == "attention"
+    assert gpu_time.kernel_kind("_merge_splits_kernel") == "attention split merge"
+    assert gpu_time.kernel_kind("at::native::index_elementwise_kernel<index_copy_kernel_impl>") == "K/V store"
+    assert gpu_time.kernel_kind("nvjet_sm90_tst_64x8_64x16_1x4_h_bz_TNT") == "matmul"
+    assert gpu_time.kernel_kind("triton_poi_fused__unsafe_view_mul_silu_5") == "fused elementwise (compiled)"
+    assert gpu_time.kernel_kind("void at::native::reduce_kernel<512>") == "other elementwise / reduction"
 
 
 def test_host_step_times_decoding_steps_without_a_forward():

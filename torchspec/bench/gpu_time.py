@@ -12,6 +12,25 @@ import torch
 #: Kernels that make up attention: the paged kernel and the merge of its KV splits.
 ATTENTION_KERNELS = ("_attention_kernel", "_merge_splits_kernel")
 
+KERNEL_KINDS = {  # substrings of kernel names -> what the kernel does (first match wins)
+    "_attention_kernel": "attention",
+    "_merge_splits": "attention split merge",
+    "_rotary_store_kernel": "RoPE + K/V store",
+    "_rms_norm_kernel": "RMSNorm",
+    "_silu_and_mul_kernel": "SiLU x mul",
+    "store_kv": "K/V store",
+    "index_copy": "K/V store",
+    "gemm": "matmul",
+    "nvjet": "matmul",
+    "cutlass": "matmul",
+    "triton_": "fused elementwise (compiled)",
+}
+
+
+def kernel_kind(name: str) -> str:
+    """What a kernel does, from its name (``KERNEL_KINDS``; the rest: other elementwise ops and reductions)."""
+    return next((kind for key, kind in KERNEL_KINDS.items() if key in name), "other elementwise / reduction")
+
 
 @dataclass(frozen=True)
 class Kernel:
