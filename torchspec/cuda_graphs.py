@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from attention.reference import MASS_DTYPE
@@ -105,7 +106,7 @@ class _StaticStep:
     draft_capacity: int  # entries each draft-list buffer holds
     full_capacity: int
     draft_lists: torch.Tensor | None = None  # [sparse layers, Hkv, capacity]: every layer's draft lists
-    kept_rows: list[int] | None = None  # what ``rows`` holds now (rewritten only when it changes)
+    kept_rows: np.ndarray | None = None  # what ``rows`` holds now (rewritten only when it changes)
     reason: str = "new bucket"  # why the bucket's buffers were made (its capture is logged with it)
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [T', V]: its view of the logits every bucket shares (first forward on)
@@ -164,7 +165,7 @@ class StepGraphs:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         metadata: AttentionMetadata,
-        rows: Sequence[int],
+        rows: Sequence[int] | np.ndarray,
         max_list_len: int,
     ) -> torch.Tensor:
         """The logits of ``rows`` (token indices of the dynamic packing), from the step's bucket graph, replayed
@@ -289,7 +290,7 @@ class StepGraphs:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         metadata: AttentionMetadata,
-        rows: Sequence[int],
+        rows: Sequence[int] | np.ndarray,
     ) -> None:
         """Copy the step into the bucket's buffers (see the module docstring for the layout). Copies of empty
         ranges are skipped and the kept rows are rewritten only when they change: each tensor op costs the host
@@ -308,10 +309,11 @@ class StepGraphs:
             if verify_tokens:
                 target[padded_drafts : padded_drafts + verify_tokens] = source[drafts:]
         shift = padded_drafts - drafts
-        kept = [row if row < drafts else row + shift for row in rows]
-        if kept != step.kept_rows:
+        rows = np.asarray(rows, dtype=np.int64)
+        kept = np.where(rows < drafts, rows, rows + shift)
+        if step.kept_rows is None or not np.array_equal(kept, step.kept_rows):
             step.rows.zero_()
-            step.rows[: len(kept)] = to_device(kept, self.device)
+            step.rows[: kept.size] = to_device(kept, self.device)
             step.kept_rows = kept
         if metadata.draft_choice is not None:
             metadata.draft_choice.copy_into(static.draft_choice)

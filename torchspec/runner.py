@@ -122,32 +122,29 @@ class Runner:
 
         Host work grows with the batch and the step's query tokens, not with the context: slot lists are
         gathered from the device slot table (see slot_table.py)."""
-        items = plan.scheduled
+        items, columns = plan.scheduled, plan.columns
         count = len(items)
-        rows = [self.table.row(item.request) for item in items]
-        starts = np.fromiter((item.first_position for item in items), np.int64, count)
-        lengths = np.fromiter((item.num_query_tokens for item in items), np.int64, count)
+        rows = self._table_rows(items)
+        starts, lengths = columns.first_position, columns.num_query_tokens
         cu_seqlens_q = offsets(lengths)
         total = int(cu_seqlens_q[-1])
         owner = np.repeat(np.arange(count), lengths)  # each query token's request
         positions = starts[owner] + np.arange(total) - cu_seqlens_q[owner]
         # One transfer for the step's per-token inputs: slot-table rows, offsets (and token ids). A position is
         # its request's computed count on the device plus its offset past it; the slot is the table's.
-        past_computed = positions - np.fromiter((_device_computed(i) for i in items), np.int64, count)[owner]
-        columns = [np.asarray(rows, dtype=np.int64)[owner], past_computed]
+        per_token_inputs = [rows[owner], positions - columns.device_computed[owner]]
         if input_ids is None:
             tokens = itertools.chain.from_iterable(item.query_token_ids() for item in items)
-            columns.append(np.fromiter(tokens, np.int64, total))
-        per_token = self._tensor(np.stack(columns))
+            per_token_inputs.append(np.fromiter(tokens, np.int64, total))
+        per_token = self._tensor(np.stack(per_token_inputs))
         position_ids = self.table.computed[per_token[0]] + per_token[1]
         slots = self.table.slots[per_token[0], position_ids]
-        ends = (starts + lengths).tolist()
-        starts = starts.tolist()
+        ends = starts + lengths
         num_drafts = plan.num_drafts
         scored = self._scored_queries(plan.scheduled[num_drafts:])
-        full = rows[num_drafts:], [0] * (len(rows) - num_drafts), ends[num_drafts:]
+        full = rows[num_drafts:], np.zeros(count - num_drafts, np.int64), ends[num_drafts:]
         # A sliding-window layer reads only the entries some query of this step can still see.
-        windowed = {w: (rows, [max(0, start - w + 1) for start in starts], ends) for w in self.windows}
+        windowed = {w: (rows, np.maximum(0, starts - w + 1), ends) for w in self.windows}
         full_shifts = None if shifts is None else shifts[num_drafts:]
         draft, draft_lists = {}, None
         if lists is not None:
@@ -174,19 +171,27 @@ class Runner:
         )
         ids = per_token[2] if input_ids is None else input_ids
         # Tokens whose input is the request's newest token, which the device holds.
-        fed = [(int(cu_seqlens_q[i]), rows[i]) for i, item in enumerate(items) if item.fed]
-        if fed:
-            index = self._tensor(list(zip(*fed, strict=True)))
+        fed = np.flatnonzero(columns.fed)
+        if fed.size:
+            index = self._tensor(np.stack([cu_seqlens_q[fed], rows[fed]]))
             ids[index[0]] = self.table.last_tokens[index[1]]
         return ids[None], position_ids[None], metadata
 
+    def _table_rows(self, items: Sequence[ScheduledRequest]) -> np.ndarray:
+        """The slot-table rows of the requests of ``items`` (assigned on first use)."""
+        return np.fromiter((self.table.row(item.request) for item in items), np.int64, len(items))
+
     def _view(
-        self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int], shrink: torch.Tensor | None = None
+        self,
+        rows: Sequence[int] | np.ndarray,
+        starts: Sequence[int] | np.ndarray,
+        ends: Sequence[int] | np.ndarray,
+        shrink: torch.Tensor | None = None,
     ) -> KVView:
         """Full lists of positions ``[starts[i], ends[i] - shrink[i])`` (see ``SlotTable.gather``)."""
         indptr, indices = self.table.gather(rows, starts, ends, shrink)
-        lengths = [end - start for start, end in zip(starts, ends, strict=True)]
-        return KVView(indptr, indices, max(lengths, default=0))
+        lengths = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+        return KVView(indptr, indices, int(lengths.max(initial=0)))
 
     def _shifts(self, items: Sequence[ScheduledRequest]) -> torch.Tensor | None:
         """Per item, how many positions before the host's assumption its request really starts, on the device:
@@ -194,7 +199,7 @@ class Runner:
         item's start is known on the host (nothing to correct)."""
         if not any(item.bound for item in items):
             return None
-        sent = self._tensor([[_device_computed(item) for item in items], [self.table.row(i.request) for i in items]])
+        sent = self._tensor([[item.device_computed for item in items], [self.table.row(i.request) for i in items]])
         return sent[0] - self.table.computed[sent[1]]
 
     def _scored_queries(self, items: Sequence[ScheduledRequest]) -> list[int]:
@@ -417,24 +422,24 @@ class Runner:
         as its newest token the last one it emitted (or the prompt's next, past a chunk short of the end). Draft
         steps change nothing: their K/V stays past the computed count until a verify accepts it. Queued on the
         device, so the next step reads what this one leaves, before the host has read anything back."""
-        items = [(i, item) for i, item in enumerate(plan.scheduled) if item.phase is not Phase.DRAFT]
-        if not items:
+        columns = plan.columns
+        indices = np.flatnonzero(~columns.is_draft)  # plan indices of the forward's other requests
+        if not indices.size:
             return
+        items = [plan.scheduled[i] for i in indices.tolist()]
         # Computed past a forward's queries: its prompt tokens, or a verify's newest token, plus accepted drafts.
-        gains = [item.num_query_tokens - _round_drafts(item) for _, item in items]
-        emitting = np.asarray(picks.emitting, dtype=np.int64)  # their plan indices, in picks order
-        position = {index: j for j, (index, _) in enumerate(items)}
-        sent = self._tensor([*(self.table.row(item.request) for _, item in items), *gains])
+        gains = columns.num_query_tokens[indices] - columns.checked_drafts[indices]
+        sent = self._tensor(np.concatenate([self._table_rows(items), gains]))
         rows, gains = sent.view(2, len(items))
-        if emitting.size:
-            at = row_index([position[i] for i in emitting.tolist()], self.device)
+        if picks.emitting:  # their plan indices (ascending, as ``indices``), in picks order
+            at = row_index(np.searchsorted(indices, picks.emitting).tolist(), self.device)
             gains[at] += picks.accepted
             self.table.last_tokens[rows[at]] = picks.next_token
             self._record_tokens(plan, picks, rows[at])
         self.table.computed[rows] += gains
         # A prompt chunk short of the end leaves the prompt's next token as the newest (a step may feed it as a
         # decode when it is the prompt's last).
-        chunks = [item for _, item in items if item.phase is Phase.PREFILL and not item.samples]
+        chunks = [plan.scheduled[i] for i in indices[columns.sampled_rows[indices] == 0].tolist()]
         if chunks:
             newest = [item.request.token_ids[item.first_position + item.num_query_tokens] for item in chunks]
             index = self._tensor([[self.table.row(item.request) for item in chunks], newest])
@@ -463,7 +468,7 @@ class Runner:
         spare = self.max_batch_size if self.chain_graphs is not None else 0
         self.draft_probs.reserve(max(*rows, spare) + 1, vocab_size)  # before any forward writes: never regrown
         first_positions = [item.first_position for item in drafts]
-        columns = [item.first_position - _device_computed(item) for item in drafts]  # drafts made before
+        columns = [item.first_position - item.device_computed for item in drafts]  # drafts made before
         requests = [item.request for item in drafts]
         presence = None
         if any(request.params.penalises for request in requests):  # with the drafts made before (on the host)
@@ -499,7 +504,7 @@ class Runner:
         first_positions = np.fromiter((item.first_position for item in drafts), np.int64, len(drafts))
         entry_positions = first_positions[owner] + np.repeat(np.arange(1, longest), counts)
         entry_rows = np.array(draft_rows)[owner]
-        computed = np.fromiter((_device_computed(item) for item in drafts), np.int64, len(drafts))[owner]
+        computed = np.fromiter((item.device_computed for item in drafts), np.int64, len(drafts))[owner]
         sent = self._tensor(np.stack([entry_positions - computed, entry_rows]))  # offsets past computed, rows
         entry_positions_t = self.table.computed[sent[1]] + sent[0]
         layout = torch.stack([entry_positions_t, self.table.slots[sent[1], entry_positions_t]])  # positions, slots
@@ -606,16 +611,17 @@ class Runner:
         self, plan: StepPlan, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, list[int]]:
         """The logits of every row that samples (the model's dtype), and each request's first row among them."""
-        rows, first_row, end = [], [], 0
-        for item in plan.scheduled:
-            first_row.append(len(rows))
-            end += item.num_query_tokens
-            rows.extend(range(end - _sampled_row_count(item), end))
+        columns = plan.columns
+        sampled = columns.sampled_rows
+        first = np.cumsum(sampled) - sampled  # each request's first row among the sampled ones
+        # A request's sampled rows are the last of its query tokens: from its end less their count.
+        ends = np.cumsum(columns.num_query_tokens)
+        rows = np.repeat(ends - sampled - first, sampled) + np.arange(int(sampled.sum()))
         prefill = any(item.phase is Phase.PREFILL for item in plan.scheduled)
         logits = self._logits(
             metadata, input_ids, position_ids, rows, max_list_len=self._max_list_len(plan.scheduled), prefill=prefill
         )
-        return logits, first_row
+        return logits, first.tolist()
 
     def _max_list_len(self, items: Sequence[ScheduledRequest]) -> int:
         """A bound on the full lists of ``items`` for graph buckets (0 without graphs: nothing reads it): the
@@ -631,7 +637,7 @@ class Runner:
         metadata: AttentionMetadata,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        rows: list[int],
+        rows: Sequence[int] | np.ndarray,
         *,
         max_list_len: int,
         prefill: bool = False,
@@ -705,11 +711,11 @@ class Runner:
         # token list may lag the step in flight).
         first = np.asarray(first_row, dtype=np.int64)
         counts = np.diff(first, append=logits.shape[0])
-        ends = (item.first_position + item.num_query_tokens - item.request.num_prompt_tokens for item in items)
-        bases = np.fromiter(ends, np.int64, num_items) + 1 - counts
+        columns = plan.columns
+        bases = columns.first_position + columns.num_query_tokens - columns.num_prompt_tokens + 1 - counts
         owner = np.repeat(np.arange(num_items), counts)  # the request of each row
         row_number = np.arange(owner.size) - first[owner]  # the row's index within its request's rows
-        is_draft = np.fromiter((item.phase is Phase.DRAFT for item in items), bool, num_items)
+        is_draft = columns.is_draft
         kept = self._keep_rows(logits, params, first, counts, is_draft)
         min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, num_items)
         outputs = bases[owner] + row_number  # the output index each row samples (an upper bound for a bound item)
@@ -779,7 +785,7 @@ class Runner:
         """The rows of the emitting requests whose params keep scores or raw logits (None: no request does), with
         the raw logits copied now, before any processor changes them; their scores come once the processors ran."""
         keeping = [
-            i for i, p in enumerate(params) if counts[i] and not is_draft[i] and (p.output_scores or p.output_logits)
+            i for i, p in enumerate(params) if (p.output_scores or p.output_logits) and counts[i] and not is_draft[i]
         ]
         if not keeping:
             return None
@@ -803,7 +809,7 @@ class Runner:
         if drafted is not None:
             return drafted[row_index(indices, self.device)]
         rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item in items]
-        n = max(_round_drafts(item) for item in items)
+        n = max(item.checked_drafts for item in items)
         return self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
 
     def collect(self, step: LaunchedStep) -> list[StepResult]:
@@ -855,7 +861,7 @@ class Runner:
         greedy requests' from the argmax (``tokens``), sampled requests' by rejection sampling, each kind in one
         batch. ``emitting``: (index in the plan, item, first row); ``greedy``: per plan index; ``drafts``: theirs
         (``_emitting_drafts``)."""
-        counts = [_round_drafts(item) for _, item, _ in emitting]
+        counts = [item.checked_drafts for _, item, _ in emitting]
         meta = self._tensor([counts, [row for _, _, row in emitting]])
         num_drafts, first_rows = meta
         # Each round's rows, from its first: its newest token's and one per draft (padding repeats the last).
@@ -1023,25 +1029,6 @@ class _Picks:
         """What the step reads back of this forward: tokens, accepted counts, next tokens (empty: none)."""
         verified = [self.accepted, self.next_token]
         return [self.tokens, *(self.tokens[:0] if part is None else part for part in verified)]
-
-
-def _sampled_row_count(item: ScheduledRequest) -> int:
-    """Logits rows a scheduled request samples: every row of a verify, one for a draft or a final prompt chunk,
-    none for a prompt chunk short of the end."""
-    if not item.samples:
-        return 0
-    return item.num_query_tokens if item.phase is Phase.VERIFY else 1
-
-
-def _round_drafts(item: ScheduledRequest) -> int:
-    """Drafts a scheduled request's verify checks (0 for a prompt chunk)."""
-    return item.num_query_tokens - 1 if item.phase is Phase.VERIFY else 0
-
-
-def _device_computed(item: ScheduledRequest) -> int:
-    """The request's computed count on the device when the step runs: the host's, plus what the step in flight
-    computes before it (``ahead``)."""
-    return item.request.num_computed_tokens + item.ahead
 
 
 def _split(values: list[int], sizes: Sequence[int]) -> list[list[int]]:

@@ -62,7 +62,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from functools import cached_property
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 from torchspec.drafting import DraftPolicy
 from torchspec.kv_cache import SlotAllocator
@@ -128,6 +131,25 @@ class ScheduledRequest:
         return self.phase is Phase.VERIFY or (self.phase is Phase.DRAFT and not self.request.round.tokens)
 
     @property
+    def checked_drafts(self) -> int:
+        """Drafts a verify checks (0 for a draft or a prompt chunk)."""
+        return self.num_query_tokens - 1 if self.phase is Phase.VERIFY else 0
+
+    @property
+    def sampled_rows(self) -> int:
+        """Logits rows it samples: every row of a verify, one for a draft or a final prompt chunk, none for a
+        prompt chunk short of the end."""
+        if not self.samples:
+            return 0
+        return self.num_query_tokens if self.phase is Phase.VERIFY else 1
+
+    @property
+    def device_computed(self) -> int:
+        """The request's computed count on the device when the step runs: the host's, plus what the step in
+        flight computes before it (``ahead``)."""
+        return self.request.num_computed_tokens + self.ahead
+
+    @property
     def verify_tokens(self) -> int:
         """Query tokens this request holds in the verify forward of its step's rounds (a chain verified in the
         same step: its newest token and drafts; else none)."""
@@ -157,6 +179,21 @@ class ScheduledRequest:
         return [0, *request.round.tokens[: self.num_query_tokens - 1]]
 
 
+class PlanColumns(NamedTuple):
+    """A plan's per-request numbers as NumPy arrays (one entry per scheduled request, in plan order), made in one
+    pass over the requests: the runner reads each of them several times a step, and a pass of Python over
+    hundreds of requests per read was most of a plain step's host time."""
+
+    first_position: np.ndarray  # of the first query token
+    num_query_tokens: np.ndarray
+    is_draft: np.ndarray  # bool
+    device_computed: np.ndarray  # the request's computed count on the device when the step runs (``ahead`` on)
+    checked_drafts: np.ndarray  # drafts a verify checks (0 for anything else)
+    sampled_rows: np.ndarray  # logits rows it samples: a verify's every row, one for a draft or a final chunk
+    fed: np.ndarray  # bool: its first input is the newest token, which the device holds (``ScheduledRequest.fed``)
+    num_prompt_tokens: np.ndarray
+
+
 @dataclass
 class StepPlan:
     """Plain host data describing one forward step; draft steps come first. With ``offload``, also the KV
@@ -179,6 +216,28 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(item.num_query_tokens for item in self.scheduled)
+
+    @cached_property
+    def columns(self) -> PlanColumns:
+        """The scheduled requests' numbers as arrays (a plan is fixed once made: computed on first use)."""
+        values = [
+            (
+                item.first_position,
+                item.num_query_tokens,
+                item.phase is Phase.DRAFT,
+                item.device_computed,
+                item.checked_drafts,
+                item.sampled_rows,
+                item.fed,
+                item.request.num_prompt_tokens,
+            )
+            for item in self.scheduled
+        ]
+        table = np.array(values, dtype=np.int64).reshape(len(values), len(PlanColumns._fields)).T
+        return PlanColumns(
+            *(column.astype(bool) if name in ("is_draft", "fed") else column
+              for name, column in zip(PlanColumns._fields, table, strict=True))
+        )  # fmt: skip
 
     @property
     def round_length(self) -> int:
