@@ -133,9 +133,11 @@ class Runner:
         # One transfer for the step's per-token inputs: slot-table rows, offsets (and token ids). A position is
         # its request's computed count on the device plus its offset past it; the slot is the table's.
         per_token_inputs = [rows[owner], positions - columns.device_computed[owner]]
-        if input_ids is None:
-            tokens = itertools.chain.from_iterable(item.query_token_ids() for item in items)
-            per_token_inputs.append(np.fromiter(tokens, np.int64, total))
+        if input_ids is None:  # a fed request's first token is a placeholder (0): only the others ask their items
+            tokens = np.zeros(total, np.int64)
+            for i in np.flatnonzero(~columns.fed | (columns.num_query_tokens > 1)).tolist():
+                tokens[cu_seqlens_q[i] : cu_seqlens_q[i + 1]] = items[i].query_token_ids()
+            per_token_inputs.append(tokens)
         per_token = self._tensor(np.stack(per_token_inputs))
         position_ids = self.table.computed[per_token[0]] + per_token[1]
         slots = self.table.slots[per_token[0], position_ids]
@@ -357,11 +359,10 @@ class Runner:
         sampling = self._draft_sampling(drafts, draft_rows, logits.shape[-1], draft_shifts)
         picks = self._pick(plan, logits, first_row, sampling=sampling, shifts=shifts)
         self._advance(plan, picks)
-        chain = [picks.tokens[: len(drafts)]]  # draft requests own the first rows, one each
-        later, chain_span = self._later_drafts(drafts, draft_rows, chain[0], sampling, lists)
-        chain += later
-        parts = [*picks.parts(), *chain[1:]]
-        verify = self._verify_rounds(drafts, chain, draft_shifts)
+        first_drafts = picks.tokens[: len(drafts)]  # draft requests own the first rows, one each
+        later, chain_span = self._later_drafts(drafts, draft_rows, first_drafts, sampling, lists)
+        parts = picks.parts() if later is None else [*picks.parts(), later.flatten()]
+        verify = self._verify_rounds(drafts, first_drafts, later, draft_shifts)
         if verify is not None:
             parts += verify[1].parts()[1:]  # its rows' tokens are verified, not drawn: not read back
         return LaunchedStep(
@@ -369,14 +370,18 @@ class Runner:
             first=_Pass(first_row, picks.emitting_rows, picks.kept),
             verify=None if verify is None else _Pass(verify[0], verify[1].emitting_rows, verify[1].kept),
             part_sizes=[part.shape[0] for part in parts],
-            num_chain_forwards=len(chain) - 1,
+            num_chain_forwards=0 if later is None else later.shape[0],
             readback=_Readback(torch.cat(parts)),
             entropies=None if picks.entropies is None else _Readback(picks.entropies),
             chain_span=chain_span,
         )
 
     def _verify_rounds(
-        self, drafts: Sequence[ScheduledRequest], chain: Sequence[torch.Tensor], shifts: torch.Tensor | None
+        self,
+        drafts: Sequence[ScheduledRequest],
+        first_drafts: torch.Tensor,
+        later: torch.Tensor | None,
+        shifts: torch.Tensor | None,
     ) -> tuple[list[int], _Picks] | None:
         """The verify forward of the rounds drafted in this step (draft chains that ``verifies``): each request's
         newest token and its drafts, the drafts fed from the chain's tokens on the device. Returns each
@@ -384,11 +389,8 @@ class Runner:
         rounds = [(index, item) for index, item in enumerate(drafts) if item.verifies]
         if not rounds:
             return None
-        # The drafts as a matrix [draft requests, longest chain], zero past each chain (forward j drafted for a
-        # prefix of the requests: they are sorted longest chain first).
-        drafted = torch.zeros(len(drafts), len(chain), dtype=torch.int64, device=self.device)
-        for j, tokens in enumerate(chain):
-            drafted[: tokens.shape[0], j] = tokens
+        # The drafts as a matrix [draft requests, longest chain]; past a request's chain, padding (never read).
+        drafted = first_drafts[:, None] if later is None else torch.cat([first_drafts[:, None], later.t()], dim=1)
         plan = StepPlan(
             [
                 ScheduledRequest(
@@ -486,16 +488,16 @@ class Runner:
         first: torch.Tensor,
         sampling: DraftSampling | None,
         lists: RoundLists | None,
-    ) -> tuple[list[torch.Tensor], _Span | None]:
-        """The tokens of the later forwards of the step's draft chains (forward j holds the drafts whose chain
-        is longer than j: a prefix, as drafts are sorted longest chain first), each forward fed the previous
-        one's tokens on the device. Their slots are looked up together and they read the round's ``lists``;
-        then the chain graphs replay them where they can, else one forward per draft runs with its own
-        selection. Also the span of those forwards alone, back to back: what one
-        more draft costs a round (the round length's measure; None without later forwards)."""
+    ) -> tuple[torch.Tensor | None, _Span | None]:
+        """The tokens of the later forwards of the step's draft chains, ``[forwards, draft requests]`` (row j - 1:
+        forward j, which holds the drafts whose chain is longer than j: a prefix, as drafts are sorted longest
+        chain first; padding past it), each forward fed the previous one's tokens on the device. Their slots are
+        looked up together and they read the round's ``lists``; then the chain graphs replay them where they can,
+        else one forward per draft runs with its own selection. Also the span of those forwards alone, back to
+        back: what one more draft costs a round (the round length's measure). None, None without later forwards."""
         longest = max((item.chain for item in drafts), default=1)
         if longest == 1:
-            return [], None
+            return None, None
         # Forward j (1 .. longest - 1) holds the drafts whose chain is longer than j: a prefix of them. Its
         # entries, forward after forward: each such draft at its first position + j.
         chains = np.fromiter((item.chain for item in drafts), np.int64, len(drafts))
@@ -514,18 +516,20 @@ class Runner:
             span = _Span(self.device)
             tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
             span.stop()
-            return [tokens[j, :count] for j, count in enumerate(counts)], span
+            return tokens, span
         max_list_len = self._max_list_len(drafts)
-        chain = [first]
+        tokens = first.new_zeros(longest - 1, len(drafts))
+        fed = first  # each forward's input tokens: the previous forward's draws
         metadata = self._chain_metadata(drafts, counts, layout, lists)
         span = _Span(self.device)
         for forward, (count, position_ids, forward_metadata) in enumerate(metadata, start=1):
             logits = self._logits(
-                forward_metadata, chain[-1][None, :count], position_ids, list(range(count)), max_list_len=max_list_len
+                forward_metadata, fed[None, :count], position_ids, list(range(count)), max_list_len=max_list_len
             )
-            chain.append(sampling.prefix(count).select(logits, forward, self.draft_probs.probs, self.generator))
+            fed = sampling.prefix(count).select(logits, forward, self.draft_probs.probs, self.generator)
+            tokens[forward - 1, :count] = fed
         span.stop()
-        return chain[1:], span
+        return tokens, span
 
     def _chain_graph_runs(self, rows: Sequence[int]) -> bool:
         """Whether this step's chains replay from the chain graphs: every draft request in a slot-table row
@@ -815,13 +819,15 @@ class Runner:
     def collect(self, step: LaunchedStep) -> list[StepResult]:
         """Each request's results, from the one read-back of a launched step (waits for that step alone). The
         read-back holds, for the first forward, each row's argmax (or draft draw) and the emitting requests'
-        (verifies', final prompt chunks') accepted counts and next tokens; then the draft tokens of each later
-        chain forward (a prefix of the step's draft requests each); then the accepted counts and next tokens of
-        the verify forward of the step's rounds."""
+        (verifies', final prompt chunks') accepted counts and next tokens; then the draft tokens of the later
+        chain forwards (``Runner._later_drafts``'s matrix, row after row); then the accepted counts and next tokens
+        of the verify forward of the step's rounds."""
         plan, first = step.plan, step.first
         values = _split(step.readback.tolist(), step.part_sizes)
-        chain_end = 3 + step.num_chain_forwards
-        first_values, later, verify_values = values[:3], values[3:chain_end], values[chain_end:]
+        chain_end = 4 if step.num_chain_forwards else 3
+        first_values, verify_values = values[:3], values[chain_end:]
+        later = values[3] if step.num_chain_forwards else []  # forward j's draft of request i at (j - 1) * D + i
+        num_drafts = plan.num_drafts
         entropies = [] if step.entropies is None else step.entropies.tolist()
         verify_rows = iter(step.verify.first_row if step.verify is not None else [])
         results = []
@@ -829,7 +835,7 @@ class Runner:
             if not item.samples:
                 results.append(StepResult())
             elif item.phase is Phase.DRAFT:
-                drafts = [first_values[0][row], *(forward[index] for forward in later[: item.chain - 1])]
+                drafts = [first_values[0][row], *later[index::num_drafts][: item.chain - 1]]
                 if item.verifies:
                     result = step.verify.result(next(verify_rows), drafts, *verify_values)
                 else:
@@ -1006,7 +1012,7 @@ class LaunchedStep:
     first: _Pass  # the step's first forward (every scheduled request)
     verify: _Pass | None  # the verify forward of the rounds drafted in this step, in draft order
     part_sizes: list[int]  # lengths of the read-back's parts (see ``Runner.collect``)
-    num_chain_forwards: int  # later forwards of the step's draft chains
+    num_chain_forwards: int  # later forwards of the step's draft chains (0: none, nothing read back for them)
     readback: _Readback
     entropies: _Readback | None  # draft rows' entropies, for policies that steer by them
     chain_span: _Span | None  # the later forwards of its draft chains, back to back (None: none ran)

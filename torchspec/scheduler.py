@@ -370,6 +370,7 @@ class Scheduler:
         # the verify forward of the rounds drafted in the step.
         budget = verify_budget = self.max_step_tokens
         scheduled: list[ScheduledRequest] = []
+        drafting = False  # some scheduled request drafts (else the order needs no sort)
         candidates = [(request, item, 0) for request, item in decoding] + prefilling  # decoding first, order kept
         for request, item, ahead in candidates:
             if item is None:
@@ -385,8 +386,10 @@ class Scheduler:
             budget = max(0, budget - item.num_query_tokens)
             verify_budget -= item.verify_tokens
             scheduled.append(item)
+            drafting = drafting or item.phase is Phase.DRAFT
         # Drafts first, longest chain first: a chain's later forwards then hold a prefix of the step's drafts.
-        scheduled.sort(key=lambda item: (item.phase is not Phase.DRAFT, -item.chain))
+        if drafting:
+            scheduled.sort(key=lambda item: (item.phase is not Phase.DRAFT, -item.chain))
         moves = self._moves
         return StepPlan(scheduled, moves.offloads, moves.restores, moves.grown, moves.stopped, moves.forks)
 
