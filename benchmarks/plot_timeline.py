@@ -1,8 +1,8 @@
-"""Throughput runs over their time: requests per step, K/V tokens held on the device and in the host tier, and
-tokens moved to the host and back, from the records' ``timeline`` (where an ``offload`` run's batch grows,
-shrinks or waits on memory; issue 15).
+"""Throughput runs over their time: requests per step, wall time per step, K/V tokens held on the device and in
+the host tier, and tokens moved to the host and back, from the records' ``timeline`` (where an ``offload`` run's
+batch grows, shrinks or waits on memory, issue 15; where a W1 step's time goes as its contexts grow, issue 14).
 
-    python benchmarks/plot_timeline.py RECORDS.jsonl OUT.png [SETTING ...]
+    python -m benchmarks.plot_timeline RECORDS.jsonl OUT.png [SETTING ...]
 
 Plots every record of ``RECORDS.jsonl`` (``python -m torchspec.bench.throughput ... --out RECORDS.jsonl``), or
 those whose ``setting`` is named (e.g. ``pillar_recent pillar_recent+offload``), one colour each.
@@ -10,44 +10,66 @@ those whose ``setting`` is named (e.g. ``pillar_recent pillar_recent+offload``),
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from torchspec.bench.throughput import TRACE_POINTS
+
 
 def timelines(path: Path, settings: list[str]) -> list[tuple[str, dict[str, list]]]:
-    """(label, timeline) of each record that has one, in file order, of the named settings (all when none)."""
+    """(label, timeline) of each record that has one, in file order, of the named settings (all when none); each
+    timeline also gets ``ms_per_step`` (see ``step_times``)."""
     found = []
     for line in path.read_text().splitlines():
         record = json.loads(line)
         setting = record.get("setting") or str(record.get("draft"))
         if record.get("timeline") and (not settings or setting in settings):
-            found.append((f"{setting} ({record['tokens_per_s']:,.0f} tok/s)", record["timeline"]))
+            timeline = record["timeline"] | {"ms_per_step": step_times(record["timeline"]["seconds"], record["steps"])}
+            found.append((f"{setting} ({record['tokens_per_s']:,.0f} tok/s)", timeline))
     return found
 
 
+def step_times(seconds: list[float], steps: int) -> list[float | None]:
+    """Wall milliseconds per step from each trace point to the next (None at the last), the trace being every
+    ``stride``-th of ``steps`` steps and the last (``StepTimeline.sampled_trace``)."""
+    stride = max(1, -(-steps // TRACE_POINTS))
+    indices = list(range(0, steps, stride))
+    if indices[-1] != steps - 1:
+        indices.append(steps - 1)
+    if len(indices) != len(seconds):
+        raise ValueError(f"a trace of {len(seconds)} points does not sample {steps} steps as sampled_trace does")
+    times = zip(itertools.pairwise(seconds), itertools.pairwise(indices), strict=True)
+    return [1e3 * (end - start) / (last - first) for (start, end), (first, last) in times] + [None]
+
+
 def plot(runs: list[tuple[str, dict[str, list]]], out: Path) -> None:
-    figure = Figure(figsize=(9, 8))
-    requests, held, moved = figure.subplots(3, 1, sharex=True)
+    moving = any(any(line["offloaded_tokens"]) for _, line in runs)  # a panel of moves only where some run moved
+    figure = Figure(figsize=(9, 10 if moving else 7.5))
+    requests, step_ms, held, *moved = figure.subplots(4 if moving else 3, 1, sharex=True)
     colours = [f"C{i}" for i in range(len(runs))]
     for (label, line), colour in zip(runs, colours, strict=True):
         seconds = line["seconds"]
         requests.plot(seconds, line["requests"], color=colour, label=label)
+        step_ms.plot(seconds[:-1], line["ms_per_step"][:-1], color=colour, label=label)
         held.plot(seconds, [n / 1e6 for n in line["pool_tokens"]], color=colour, label=f"{label}: device pool")
         if any(line["host_tokens"]):
             held.plot(seconds, [n / 1e6 for n in line["host_tokens"]], color=colour, linestyle="--", label="host tier")
         if any(line["offloaded_tokens"]):
-            moved.plot(seconds, [n / 1e6 for n in line["offloaded_tokens"]], color=colour, label=f"{label}: to host")
-            moved.plot(seconds, [n / 1e6 for n in line["restored_tokens"]], color=colour, linestyle=":", label="back")
-    for axes, ylabel in ((requests, "requests in the step"), (held, "K/V tokens held (M)"), (moved, "moved (M)")):
+            sent, back = ([n / 1e6 for n in line[name]] for name in ("offloaded_tokens", "restored_tokens"))
+            moved[0].plot(seconds, sent, color=colour, label=f"{label}: to host")
+            moved[0].plot(seconds, back, color=colour, linestyle=":", label="back")
+    panels = [(requests, "requests in the step"), (step_ms, "ms per step"), (held, "K/V tokens held (M)")]
+    for axes, ylabel in panels + [(axes, "moved (M)") for axes in moved]:
         axes.set_ylabel(ylabel)
         axes.set_ylim(0, None)
         axes.grid(alpha=0.3)
         if axes.get_legend_handles_labels()[0]:
             axes.legend(fontsize=8)
-    moved.set_xlabel("seconds into the run")
+    (moved or [held])[0].set_xlabel("seconds into the run")
     figure.tight_layout()
     figure.savefig(out, dpi=120)
 

@@ -229,11 +229,12 @@ def test_device_memory_is_read_as_a_pool_would_find_it(monkeypatch):
     assert device_memory_gib(torch.device("cpu")) is None
 
 
-def test_the_record_traces_the_batch_and_both_kv_tiers_over_the_run(tmp_path):
+def test_the_record_traces_the_batch_and_both_kv_tiers_over_the_run(tmp_path, monkeypatch):
     """An offload run whose pool holds fewer tokens than its requests reach: the record's timeline shows each
     step's requests (never above the batch), the device pool's use (never above its size), the host tier holding
     tokens at some point, and tokens moved out and back (cumulative: never falling, all back by the end);
-    ``benchmarks/plot_timeline.py`` draws it. Spaced out to at most the points asked, the trace keeps its ends."""
+    ``benchmarks/plot_timeline.py`` draws it. Spaced out to at most the points asked, the trace keeps its ends, and
+    the plot's wall time per step between two of its points is that of the steps between them."""
     model = tiny_spec("llama", 2).build()
     prompts = [list(range(3, 3 + n)) for n in (30, 41, 25, 36)]
     record = measure(model, prompts, None, 40, 0.0, offload=True, kv_capacity_tokens=160, max_batch_size=4)
@@ -261,3 +262,9 @@ def test_the_record_traces_the_batch_and_both_kv_tiers_over_the_run(tmp_path):
     spaced = timeline.sampled_trace(points=5)
     assert len(spaced["seconds"]) <= 6 and len(timeline.trace) > 20
     assert spaced["seconds"][0] == timeline.trace[0][0] and spaced["seconds"][-1] == timeline.trace[-1][0]
+    monkeypatch.setattr(plot_timeline, "TRACE_POINTS", 5)
+    times, stride = plot_timeline.step_times(spaced["seconds"], len(timeline.trace)), -(-len(timeline.trace) // 5)
+    assert times[0] == pytest.approx(1e3 * (timeline.trace[stride][0] - timeline.trace[0][0]) / stride)
+    assert len(times) == len(spaced["seconds"]) and times[-1] is None
+    with pytest.raises(ValueError, match="does not sample"):
+        plot_timeline.step_times(spaced["seconds"][:-1], len(timeline.trace))
