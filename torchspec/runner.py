@@ -812,8 +812,10 @@ class Runner:
         (none for a final prompt chunk): from ``drafted`` (rows by plan index) when given, else from the host."""
         if drafted is not None:
             return drafted[row_index(indices, self.device)]
-        rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item in items]
         n = max(item.checked_drafts for item in items)
+        if not n:  # plain steps and final prompt chunks: nothing to copy over
+            return torch.zeros(len(items), 0, dtype=torch.int64, device=self.device)
+        rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item in items]
         return self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
 
     def collect(self, step: LaunchedStep) -> list[StepResult]:
@@ -906,10 +908,12 @@ class Runner:
         n = drafts.shape[1]
         # A verify's rows are consecutive, all sampled (one request's parameters): so are its ``targets`` rows.
         target_rows = self._tensor(target_index[[row for _, _, row in verifies]])[:, None] + steps
-        # Proposed drafts (and rounds without drafts) as point masses, one row per verify; sampled drafts' rows
-        # are the store's, read where the draft steps wrote them (entries past a round's drafts are padding).
+        if not n:  # plain steps and final prompt chunks: a sample from p, no draft distribution to read
+            return accept_sampled(targets, target_rows, drafts, None, None, num_drafts, self.generator)
+        # Proposed drafts as point masses, one row per verify; sampled drafts' rows are the store's, read where the
+        # draft steps wrote them (entries past a round's drafts are padding).
         draft_rows = torch.arange(len(verifies), device=self.device)
-        if (self.policy is not None and self.policy.proposes_tokens) or not n:
+        if self.policy.proposes_tokens:
             draft_probs = torch.zeros(len(verifies), n, targets.vocab_size, dtype=torch.float32, device=self.device)
             drafted = (steps[:, :n] < num_drafts[:, None]).to(draft_probs.dtype)
             draft_probs.scatter_(2, drafts[..., None], drafted[..., None])

@@ -33,8 +33,8 @@ def accept_sampled(
     target: DenseProbs | WarpedLogits,
     target_rows: torch.Tensor,
     drafts: torch.Tensor,
-    draft_probs: torch.Tensor,
-    draft_rows: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_rows: torch.Tensor | None,
     num_drafts: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +42,8 @@ def accept_sampled(
 
     Round j's target distributions (after the newest token and after each draft) are rows ``target_rows[j]``
     (``[J, n + 1]``) of ``target``; its drafts are ``drafts[j]`` (``[J, n]``), drawn from
-    ``draft_probs[draft_rows[j], :n]`` (``draft_probs`` is ``[S, >= n, V]``). Entries past ``num_drafts[j]``
+    ``draft_probs[draft_rows[j], :n]`` (``draft_probs`` is ``[S, >= n, V]``; None when ``n`` is 0: plain steps
+    draw from p alone). Entries past ``num_drafts[j]``
     are padding, never read as distributions. Only what the rule needs is gathered: p and q of each draft, and
     one row of each for the correction, never the rounds' ``[J, n, V]`` distributions (at W1's 256 rounds x 8
     drafts x 49K, each such copy costs the GPU ~0.3 ms). Returns ``accepted[j]``, the drafts kept, and
