@@ -181,8 +181,8 @@ class ScheduledRequest:
 
 class PlanColumns(NamedTuple):
     """A plan's per-request numbers as NumPy arrays (one entry per scheduled request, in plan order), made in one
-    pass over the requests: the runner reads each of them several times a step, and a pass of Python over
-    hundreds of requests per read was most of a plain step's host time."""
+    pass over the requests: the runner reads each of them several times a step, where each read was a pass of
+    Python over the batch (~25 of them a plain step)."""
 
     first_position: np.ndarray  # of the first query token
     num_query_tokens: np.ndarray
@@ -234,10 +234,9 @@ class StepPlan:
             for item in self.scheduled
         ]
         table = np.array(values, dtype=np.int64).reshape(len(values), len(PlanColumns._fields)).T
-        return PlanColumns(
-            *(column.astype(bool) if name in ("is_draft", "fed") else column
-              for name, column in zip(PlanColumns._fields, table, strict=True))
-        )  # fmt: skip
+        columns = dict(zip(PlanColumns._fields, table, strict=True))
+        columns["is_draft"], columns["fed"] = columns["is_draft"].astype(bool), columns["fed"].astype(bool)
+        return PlanColumns(**columns)
 
     @property
     def round_length(self) -> int:
