@@ -17,7 +17,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from torchspec.bench.throughput import TRACE_POINTS
+from torchspec.bench.throughput import TRACE_POINTS, trace_steps
 
 
 def timelines(path: Path, settings: list[str]) -> list[tuple[str, dict[str, list]]]:
@@ -34,12 +34,9 @@ def timelines(path: Path, settings: list[str]) -> list[tuple[str, dict[str, list
 
 
 def step_times(seconds: list[float], steps: int) -> list[float | None]:
-    """Wall milliseconds per step from each trace point to the next (None at the last), the trace being every
-    ``stride``-th of ``steps`` steps and the last (``StepTimeline.sampled_trace``)."""
-    stride = max(1, -(-steps // TRACE_POINTS))
-    indices = list(range(0, steps, stride))
-    if indices[-1] != steps - 1:
-        indices.append(steps - 1)
+    """Wall milliseconds per step from each trace point to the next (None at the last), the trace keeping the
+    steps ``trace_steps`` names."""
+    indices = trace_steps(steps, TRACE_POINTS)
     if len(indices) != len(seconds):
         raise ValueError(f"a trace of {len(seconds)} points does not sample {steps} steps as sampled_trace does")
     times = zip(itertools.pairwise(seconds), itertools.pairwise(indices), strict=True)

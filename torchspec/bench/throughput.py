@@ -88,6 +88,18 @@ def time_per_output_token_ms(requests: Iterable[tuple[float, int]]) -> float:
 #: in the device pool and in the host tier, tokens moved to the host and back so far.
 TRACE_FIELDS = ("seconds", "requests", "pool_tokens", "host_tokens", "offloaded_tokens", "restored_tokens")
 TRACE_POINTS = 400  # steps a record's trace keeps at most
+
+
+def trace_steps(steps: int, points: int = TRACE_POINTS) -> list[int]:
+    """The steps a trace of ``steps`` keeps (``StepTimeline.sampled_trace``): evenly spaced from the first, at most
+    ``points`` of them, and the last."""
+    stride = max(1, -(-steps // points))
+    kept = list(range(0, steps, stride))
+    if kept and kept[-1] != steps - 1:
+        kept.append(steps - 1)
+    return kept
+
+
 #: A record's fields read from each request's output (None when a run stopped at its time limit).
 REQUEST_FIELDS = (
     "time_per_output_token_ms",
@@ -143,8 +155,7 @@ class StepTimeline:
     def sampled_trace(self, points: int = TRACE_POINTS) -> dict[str, list]:
         """The trace at ``points`` steps at most, evenly spaced from the first (a W1 run has ~8K steps), and the
         last, as one list per field (``TRACE_FIELDS``)."""
-        stride = max(1, -(-len(self.trace) // points))
-        kept = self.trace[::stride] + ([self.trace[-1]] if (len(self.trace) - 1) % stride else [])
+        kept = [self.trace[step] for step in trace_steps(len(self.trace), points)]
         return {name: [row[i] for row in kept] for i, name in enumerate(TRACE_FIELDS)}
 
     def copy_overlap(self) -> dict | None:
