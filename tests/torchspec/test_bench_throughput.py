@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from benchmarks import decode_step, host_step, plot_timeline, step_profile
+from benchmarks import decode_step, drain_report, host_step, plot_timeline, step_profile
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
 from torchspec.bench import gpu_time
@@ -227,6 +227,42 @@ def test_device_memory_is_read_as_a_pool_would_find_it(monkeypatch):
     memory = device_memory_gib(torch.device("cuda", 0))
     assert memory == {"free": 70.0, "total": 140.0, "allocated": 5.0, "cached": 60.0} and calls == ["emptied"]
     assert device_memory_gib(torch.device("cpu")) is None
+
+
+def test_the_drain_report_splits_a_run_by_its_running_batch(tmp_path, capsys):
+    """``benchmarks/drain_report.py``: a row per batch-size bucket of the record's ``steps_by_batch`` (its span,
+    steps, seconds, ms a step, share of the run), the seconds after the full batch, and the run's time if every
+    request needed the mean rounds at the full batch's step time; only the settings named."""
+    record = {
+        "setting": "pillar_recent",
+        "device": "cpu",
+        "tree": "t",
+        "tokens_per_s": 100.0,
+        "steps": 70,
+        "seconds": 10.0,
+        "generated_tokens": 800,
+        "max_new_tokens": 100,
+        "mean_accepted": 3.0,
+        "request_accepted_p10_p50_p90": [2.0, 3.0, 3.5],
+        "slowest_requests": [{"mean_accepted": 1.5}, {"mean_accepted": 1.75}],
+        "steps_by_batch": [
+            {"batch_from": 8, "steps": 40, "seconds": 6.0},
+            {"batch_from": 2, "steps": 20, "seconds": 3.0},
+            {"batch_from": 1, "steps": 10, "seconds": 1.0},
+        ],
+    }
+    table = drain_report.drain_table(record)
+    assert "| 8 | 40 | 6.00 | 150.0 | 60% |" in table
+    assert "| 2-7 | 20 | 3.00 | 150.0 | 30% |" in table and "| 1-1 | 10 | 1.00 | 100.0 | 10% |" in table
+    assert "After the largest batch (the first request finished): 4.0 s of 10.0 (40%)" in table
+    # 100 tokens at 1 + 3 a round: 25 rounds of 150 ms.
+    assert "the slowest 1.50, 1.75" in table and "25 rounds, 3.8 s (213 tok/s)" in table
+    assert "rounds" not in drain_report.drain_table(record | {"natural_lengths": True})  # lengths differ: no bound
+    records = tmp_path / "records.jsonl"
+    records.write_text("\n".join(json.dumps(record | {"setting": name}) for name in ("pillar_recent", "none")))
+    drain_report.main([str(records), "none"])
+    printed = capsys.readouterr().out
+    assert printed.startswith("none on cpu") and "pillar_recent on" not in printed
 
 
 def test_the_record_traces_the_batch_and_both_kv_tiers_over_the_run(tmp_path, monkeypatch):
