@@ -15,15 +15,16 @@ import json
 import sys
 from pathlib import Path
 
+from torchspec.bench.records import record_setting
+
 
 def drain_table(record: dict) -> str:
     """The record's steps by batch size as markdown, then a line on its drain."""
     buckets = record["steps_by_batch"]
     total = sum(bucket["seconds"] for bucket in buckets)
-    setting = record.get("setting") or record.get("draft")
     lines = [
-        f"{setting} on {record['device']} (tree {record.get('tree')}): {record['tokens_per_s']:,.0f} tok/s, "
-        f"{record['steps']} steps in {record['seconds']:.1f} s",
+        f"{record_setting(record)} on {record['device']} (tree {record.get('tree')}): "
+        f"{record['tokens_per_s']:,.0f} tok/s, {record['steps']} steps in {record['seconds']:.1f} s",
         "",
         "| running requests | steps | seconds | ms a step | share of the run |",
         "|---|---|---|---|---|",
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> None:
     path, settings = Path(argv[0]), argv[1:]
     for text in path.read_text().splitlines():
         record = json.loads(text)
-        if record.get("steps_by_batch") and (not settings or record.get("setting") in settings):
+        if record.get("steps_by_batch") and (not settings or record_setting(record) in settings):
             print(drain_table(record), end="\n\n")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from torchspec.bench.records import record_setting
 from torchspec.bench.throughput import TRACE_POINTS, trace_steps
 
 
@@ -26,7 +27,7 @@ def timelines(path: Path, settings: list[str]) -> list[tuple[str, dict[str, list
     found = []
     for line in path.read_text().splitlines():
         record = json.loads(line)
-        setting = record.get("setting") or str(record.get("draft"))
+        setting = record_setting(record)
         if record.get("timeline") and (not settings or setting in settings):
             timeline = record["timeline"] | {"ms_per_step": step_times(record["timeline"]["seconds"], record["steps"])}
             found.append((f"{setting} ({record['tokens_per_s']:,.0f} tok/s)", timeline))

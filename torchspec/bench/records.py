@@ -86,6 +86,12 @@ def parse_setting(text: str) -> tuple[str | None, dict[str, bool | int | float]]
     return draft, overrides
 
 
+def record_setting(record: dict[str, Any]) -> str:
+    """The setting a throughput record ran (``parse_setting``'s text): its ``setting``, or for records written before
+    they kept one, its draft."""
+    return record.get("setting") or str(record.get("draft"))
+
+
 def _engine_value(switch: str, name: str, value: str, text: str) -> int | float:
     """The value of ``+NAME=VALUE`` as its option's type (``ENGINE_VALUES``)."""
     kind = ENGINE_VALUES.get(name)
