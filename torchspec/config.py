@@ -43,6 +43,12 @@ class SpecConfig:
             (W1: a poorly drafted request left alone accepted 2.3 of 8). ``None`` = 65,536 on a GPU (W1's best:
             256 positions a request at full batch, every position below ~8 requests) and 0 on a CPU, where
             attention costs what it reads at any batch size.
+        budget_by_misses: weigh each request's draft budget (``sparsity`` and step share alike) by 1 + the drafts
+            its recent rounds rejected, over the batch's mean of the same (at most 3x): the batch reads about what
+            even budgets read, the answers whose drafts fall short draft from more of their context and the ones
+            whose drafts all pass from less, so the slowest answers do not set the run's end alone. Not with
+            ``query_sketch`` (its budgets are bounds of its device lists). W1 on one H100: +2% (a drain of 9.6 s
+            against 11.6, full-batch rounds 1.1 ms dearer; docs/performance.md); off until an H200 run agrees.
         num_sinks: first tokens (attention sinks) that streaming-style drafts and ``query_sketch`` always attend to.
         recent_window: latest tokens before the verify that PillarAttn drafts always attend to, on top of
             the tokens written since (0 = the policy's own: none for the paper's ``pillar``, 64 for
@@ -142,6 +148,7 @@ class SpecConfig:
     sparsity: float = 0.05
     min_budget: int = 128
     draft_step_budget: int | None = None
+    budget_by_misses: bool = False
     num_sinks: int = 4
     recent_window: int = 0
     successors: int = 0
@@ -179,6 +186,11 @@ class SpecConfig:
         _require(
             self.draft_step_budget is None or (_is_int(self.draft_step_budget) and self.draft_step_budget >= 0),
             f"draft_step_budget must be None or an integer >= 0, got {self.draft_step_budget!r}",
+        )
+        _require(
+            not (self.budget_by_misses and self.draft == "query_sketch"),
+            "budget_by_misses=True cannot run with draft='query_sketch' (its budgets bound its device lists); "
+            "use another draft or budget_by_misses=False",
         )
         for name in ("num_sinks", "recent_window", "successors", "sketch_shortlist"):
             value = getattr(self, name)
@@ -222,7 +234,7 @@ class SpecConfig:
             "adaptive_rounds=True chooses round lengths from each rank's own step timings, so tensor-parallel ranks "
             "would schedule differently: use adaptive_rounds=False with tensor_parallel_size > 1",
         )
-        for name in ("offload", "unified_schedule", "head_budgets", "adaptive_rounds"):
+        for name in ("offload", "unified_schedule", "head_budgets", "adaptive_rounds", "budget_by_misses"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")
         for name in ("compile", "cuda_graphs", "draft_chain", "delayed_verify", "fuse_layers"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")

@@ -275,6 +275,7 @@ class Engine:
             offload=self._new_offload_stats(),
             host_capacity_tokens=self.host_kv_capacity_tokens,
             draft_step_budget=self.draft_step_budget,
+            budget_by_misses=self.config.budget_by_misses,
             restore_step_tokens=self.restore_step_tokens,
             host_refusal=None if self.runner.host is None else self.runner.host.refusal,
         )

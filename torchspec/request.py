@@ -104,6 +104,9 @@ class SpeculationStats:
     accepted_per_round: list[int] = field(default_factory=list)
     drafts_per_round: list[int] = field(default_factory=list)  # drafts each of those verifies checked
     context_per_round: list[int] = field(default_factory=list)  # context length at each of those verifies
+    # Drafts rejected per round lately (each round moves it 1/16 of the way to its own count): how far the
+    # request's drafts fall short, which ``budget_by_misses`` weighs its draft budget by.
+    recent_misses: float = 0.0
 
 
 @dataclass(eq=False)  # one request is one object: found in the scheduler's lists by identity, not by its fields
@@ -126,6 +129,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     round: DraftRound = field(default_factory=DraftRound)
+    draft_weight: float = 1.0  # the scheduler's weight on its draft budget (``SpecConfig.budget_by_misses``)
     spec_stats: SpeculationStats = field(default_factory=SpeculationStats)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

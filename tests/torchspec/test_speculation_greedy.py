@@ -444,6 +444,52 @@ def test_the_step_draft_budget_is_shared_by_the_running_requests(monkeypatch):
         assert set(seen) == set(shares.items())
 
 
+@pytest.mark.parametrize("policy", ["pillar_recent", "streaming"])
+def test_budget_by_misses_weighs_each_request_by_its_misses_and_keeps_the_output(policy, baseline, monkeypatch):
+    """With ``budget_by_misses`` each step weighs a running request's draft budget by 1 + its recent misses over
+    the batch's mean (at most 3x): the weights follow the misses, average at most 1, and reach the policy's
+    budgets; the output is plain greedy decoding's."""
+    from torchspec.drafting.base import DraftPolicy
+    from torchspec.scheduler import MAX_DRAFT_WEIGHT, Scheduler
+
+    steps: list[list[tuple[float, float]]] = []  # (recent misses, weight) of each running request, per step
+    budget_weights: list[float] = []
+    schedule, budget = Scheduler.schedule, DraftPolicy.budget
+
+    def spy(self: Scheduler, *args: Any, **kwargs: Any) -> Any:
+        plan = schedule(self, *args, **kwargs)
+        steps.append([(r.spec_stats.recent_misses, r.draft_weight) for r in self.running])
+        return plan
+
+    def budget_spy(self: DraftPolicy, context_length: int, weight: float = 1.0) -> int:
+        budget_weights.append(weight)
+        return budget(self, context_length, weight)
+
+    monkeypatch.setattr(Scheduler, "schedule", spy)
+    monkeypatch.setattr(DraftPolicy, "budget", budget_spy)
+    expected = baseline(GQA, BATCH)
+    options = SPARSE | {"draft_step_budget": 64, "budget_by_misses": True}
+    wrapped, recorder = _wrap(GQA, monkeypatch, draft=policy, k=4, **options)
+    actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    _rows_equal(expected, actual, policy)
+    check_bookkeeping(wrapped, recorder)
+    assert wrapped.last_stats.num_accepted_tokens < wrapped.last_stats.num_draft_tokens  # some drafts miss
+    weighed = [step for step in steps if len({weight for _, weight in step}) > 1]
+    assert weighed, "no step weighed its requests differently"
+    for step in weighed:
+        weights = [weight for _, weight in step]
+        assert sum(weights) / len(weights) <= 1 + 1e-9
+        assert max(weights) <= MAX_DRAFT_WEIGHT
+        for (miss_a, weight_a), (miss_b, weight_b) in itertools.combinations(step, 2):
+            assert (miss_a < miss_b) <= (weight_a <= weight_b), step
+    assert len(set(budget_weights)) > 1  # the policy's budgets read the weights
+
+
+def test_budget_by_misses_refuses_query_sketch():
+    with pytest.raises(ValueError, match=r"budget_by_misses=True cannot run with draft='query_sketch'"):
+        SpecConfig(draft="query_sketch", budget_by_misses=True)
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 6, 7])
 @pytest.mark.parametrize("policy", ["pillar", "ngram"])
 def test_rounds_are_cut_to_the_tokens_still_allowed(policy, max_new_tokens, baseline, monkeypatch):
