@@ -56,9 +56,13 @@ class DraftPolicy:
 
     def budget(self, context_length: int, weight: float = 1.0) -> int:
         """KV tokens a draft step may attend to: ``max(min_budget, ceil(weight * max(sparsity * context,
-        step_share)))``, ``weight`` the request's ``draft_weight`` (the scheduler's, 1 unless ``budget_by_misses``)."""
+        step_share)))``: a request's at its ``draft_weight`` (``request_budget``), a bound over a batch at 1."""
         share = max(self.config.sparsity * context_length, self.step_share)
         return max(self.config.min_budget, math.ceil(weight * share))
+
+    def request_budget(self, request: Request, context_length: int) -> int:
+        """The request's own draft budget at ``context_length``: ``budget`` at its ``draft_weight``."""
+        return self.budget(context_length, request.draft_weight)
 
     def ready(self, request: Request) -> bool:
         """Whether the request can start a round with drafts (e.g. PillarAttn needs one verify's scores)."""
@@ -137,7 +141,7 @@ class DraftPolicy:
         """(older positions, how many of them fit the budget): positions before ``recent_start`` compete,
         the ones from it on (written since the last verify) are always attended to."""
         older = request.round.recent_start
-        return older, min(older, max(0, self.budget(position + 1, request.draft_weight) - (position + 1 - older)))
+        return older, min(older, max(0, self.request_budget(request, position + 1) - (position + 1 - older)))
 
     def with_recent(self, request: Request, position: int, selected: torch.Tensor) -> torch.Tensor:
         """``selected`` older positions (``[Hkv, n]``), sorted, followed by every position since the verify."""

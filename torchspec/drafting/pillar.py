@@ -46,7 +46,7 @@ class PillarPolicy(DraftPolicy):
         if request.round.pattern is None:
             return True
         position = request.num_computed_tokens
-        return position - request.round.recent_start >= self.budget(position + 1, request.draft_weight)
+        return position - request.round.recent_start >= self.request_budget(request, position + 1)
 
     def __init__(self, config: SpecConfig, layers: Sequence[LayerSpec]) -> None:
         super().__init__(config, layers)
@@ -76,7 +76,7 @@ class PillarPolicy(DraftPolicy):
             # when the budget cannot hold it next to the verify's queries.
             if mass is None:  # no layer drafts sparsely: nothing was scored, the verify's queries bound it
                 context = first_query
-            budget = self.budget(context, request.draft_weight)
+            budget = self.request_budget(request, context)
             window = min(self.window, budget // 2, max(0, budget - (context - first_query)))
             older = max(0, first_query - window)
             request.round.recent_start = older

@@ -70,7 +70,7 @@ class PillarQuestPolicy(PillarPolicy):
         taken = torch.zeros(num_kv_heads, older + 1, dtype=torch.bool, device=device)
         taken.scatter_(1, torch.where(verify_picks >= 0, verify_picks, older), True)
         taken = taken[:, :older]
-        room = self.budget(position + 1, request.draft_weight) - (position + 1 - older) - taken.sum(dim=-1)  # [Hkv]
+        room = self.request_budget(request, position + 1) - (position + 1 - older) - taken.sum(dim=-1)  # [Hkv]
         if older == 0 or int(room.max()) < 1:
             return verify_picks
         num_pages = -(-older // PAGE_SIZE)

@@ -16,7 +16,7 @@ class StreamingPolicy(DraftPolicy):
 
     def draft_positions(self, request: Request, position: int) -> tuple[torch.Tensor, int]:
         context = position + 1
-        budget = self.budget(context, request.draft_weight)
+        budget = self.request_budget(request, context)
         if budget >= context:
             return torch.arange(0), 0
         sinks = min(self.config.num_sinks, budget)
