@@ -151,6 +151,19 @@ def _(logits, temperature, cutoff):
     return logits.new_empty(logits.shape[:1], dtype=torch.float32)
 
 
+@torch.library.custom_op("torchspec::warped_sample", mutates_args=())
+def warped_sample(
+    logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor, seed: torch.Tensor
+) -> torch.Tensor:
+    """See :func:`attention.reference.warped_sample`."""
+    return logits_kernels.warped_sample(logits, rows, temperature, cutoff, seed)
+
+
+@warped_sample.register_fake
+def _(logits, rows, temperature, cutoff, seed):
+    return rows.new_empty(rows.shape, dtype=torch.int64)
+
+
 @torch.library.custom_op("torchspec::top_k_positions", mutates_args=())
 def top_k_positions(
     values: torch.Tensor, k: torch.Tensor, max_k: int, lengths: torch.Tensor | None = None

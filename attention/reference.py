@@ -33,6 +33,7 @@ OP_NAMES = (
     "silu_and_mul",
     "rotary_store_kv",
     "warped_lse",
+    "warped_sample",
     "top_k_positions",
     "store_key_sketch",
     "sketch_mass",
@@ -318,6 +319,21 @@ def warped_lse(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Te
     distribution, whose probabilities are then ``exp(scaled - lse)`` on the kept entries."""
     scaled = logits / temperature[:, None].float()
     return scaled.masked_fill(scaled < cutoff[:, None], float("-inf")).logsumexp(dim=-1)
+
+
+def warped_sample(
+    logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor, seed: torch.Tensor
+) -> torch.Tensor:
+    """``[N]`` int64: a token drawn from each distribution ``rows[i]`` of ``logits`` (``[R, V]``), the softmax of
+    ``logits / temperature`` over the entries at or above ``cutoff`` (as ``warped_lse`` keeps them). A Gumbel-max
+    draw: the kept entry with the largest ``scaled + G``, ``G`` standard Gumbel noise, one per entry and draw
+    from a generator seeded with ``seed`` (``[1]`` int64; the Triton op draws from Philox under it: the same
+    distribution, not the same tokens)."""
+    generator = torch.Generator(device=logits.device).manual_seed(int(seed))
+    scaled = logits[rows] / temperature[rows, None].float()
+    uniform = torch.rand(scaled.shape, generator=generator, device=logits.device)
+    noisy = scaled - torch.log(-torch.log(uniform))  # uniform 0 gives -inf: never drawn
+    return noisy.masked_fill(scaled < cutoff[rows, None], float("-inf")).argmax(dim=-1)
 
 
 def top_k_positions(

@@ -3,6 +3,7 @@ min-new-tokens, temperature, top-k, top-p, min-p."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -171,19 +172,35 @@ class DenseProbs:
         """Whole distributions ``[len(rows), V]``."""
         return self.probs[rows]
 
+    def sample(self, rows: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """A token from each distribution ``rows`` (``[N]``)."""
+        return torch.multinomial(self.probs[rows], 1, generator=generator)[:, 0]
+
 
 class WarpedLogits:
     """Warped target distributions (temperature and top-k, transformers' rules) kept as the logits they come
     from: ``p(x) = exp(l_x / T - lse)`` where ``l_x / T`` reaches the row's top-k cut-off, else 0. Rejection
     sampling reads p at a few tokens per row (the drafts) and whole rows only where it draws (one row per round):
-    the fp32 ``[R, V]`` probabilities of every verify row (W1: 450 MB, several passes over it) never exist."""
+    the fp32 ``[R, V]`` probabilities of every verify row (W1: 450 MB, several passes over it) never exist. A draw
+    alone (a plain decoding step's) reads the logits once and needs no normaliser (``ops.warped_sample``)."""
 
-    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor, lse: torch.Tensor):
+    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor, ops: ModuleType):
         self.logits = logits
         self.temperature = temperature
         self.cutoff = cutoff
-        self.lse = lse
         self.vocab_size = logits.shape[-1]
+        self._ops = ops
+
+    @functools.cached_property
+    def lse(self) -> torch.Tensor:
+        """``[R]``: each row's log-normaliser, computed when a probability is first asked for."""
+        return self._ops.warped_lse(self.logits, self.temperature, self.cutoff)
+
+    def sample(self, rows: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """A token from each distribution ``rows`` (``[N]``), without its probabilities: a Gumbel-max draw under
+        a seed taken from ``generator``."""
+        seed = torch.randint(1 << 62, (1,), generator=generator, device=self.logits.device)
+        return self._ops.warped_sample(self.logits, rows, self.temperature, self.cutoff, seed)
 
     def _probs(self, scaled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``scaled`` (entries of distributions ``rows``, broadcast along trailing dimensions) as probabilities."""
@@ -220,8 +237,8 @@ def target_probs(
 ) -> DenseProbs | WarpedLogits:
     """The warped target distributions of ``logits`` rows (row ``r`` by ``params[owner[r]]``), as
     ``warped_probs`` computes them: dense where some row filters by top-p or min-p, else kept as the logits with
-    one top-k cut-off and one log-normaliser per row (``ops``: the op set whose ``top_k_positions`` and
-    ``warped_lse`` compute them, see ``attention.reference``)."""
+    one top-k cut-off and one log-normaliser per row (``ops``: the op set whose ``top_k_positions``,
+    ``warped_lse`` and ``warped_sample`` compute them and draw from them, see ``attention.reference``)."""
     columns = _warp_columns(params, owner, logits.device)
     if columns.top_p is not None or columns.min_p is not None:
         return DenseProbs(columns.warp(logits, select=ops.top_k_positions).softmax(dim=-1))
@@ -229,7 +246,7 @@ def target_probs(
     cutoff = logits.new_full(logits.shape[:1], float("-inf"), dtype=torch.float32)
     if top_k is not None and max_top_k > 0:
         cutoff = top_k_cutoff(logits, temperature, top_k, max_top_k, select=ops.top_k_positions)
-    return WarpedLogits(logits, temperature, cutoff, ops.warped_lse(logits, temperature, cutoff))
+    return WarpedLogits(logits, temperature, cutoff, ops)
 
 
 def sample_tokens(

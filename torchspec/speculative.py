@@ -53,8 +53,7 @@ def accept_sampled(
     num_rounds, n = drafts.shape
     device = drafts.device
     if n == 0:  # plain decode steps: a sample from p
-        first = target.rows(target_rows[:, 0])
-        return num_drafts.new_zeros(num_rounds), torch.multinomial(first, 1, generator=generator)[:, 0]
+        return num_drafts.new_zeros(num_rounds), target.sample(target_rows[:, 0], generator)
     uniforms = torch.rand(num_rounds, n, generator=generator, device=device)
     steps = torch.arange(n, device=device)
     p = target.at(target_rows[:, :n], drafts)

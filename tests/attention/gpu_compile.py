@@ -40,6 +40,7 @@ KERNELS = (
     (layer_kernels, "_silu_and_mul_kernel"),
     (layer_kernels, "_rotary_store_kernel"),
     (logits_kernels, "_warped_lse_kernel"),
+    (logits_kernels, "_warped_sample_kernel"),
     (select_kernels, "_top_k_kernel"),
     (sketch_kernels, "_store_sketch_kernel"),
     (sketch_kernels, "_sketch_mass_kernel"),
@@ -135,6 +136,13 @@ def _warped_lse() -> None:
     logits_kernels.warped_lse(logits, torch.full((18,), 0.65), torch.zeros(18))
 
 
+def _warped_sample() -> None:
+    """A plain step's draws over SmolLM2's vocabulary, from its bf16 logits."""
+    logits = torch.randn(18, 49152).to(torch.bfloat16)
+    seed = torch.ones(1, dtype=torch.int64)
+    logits_kernels.warped_sample(logits, torch.arange(18), torch.full((18,), 0.65), torch.zeros(18), seed)
+
+
 def _top_k() -> None:
     """A verify's top-50 cut-off over SmolLM2's vocabulary (long rows, bf16) and PillarAttn's picks over fp16
     masses (rows in registers) and fp32 ones."""
@@ -177,6 +185,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "fused-and-mass": _fused_launch_and_mass,
     "layer-ops": _layer_ops,
     "warped-lse": _warped_lse,
+    "warped-sample": _warped_sample,
     "top-k": _top_k,
     "key-sketch": _key_sketch,
 }

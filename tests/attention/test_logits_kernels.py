@@ -39,3 +39,52 @@ def test_reference_is_the_log_normaliser_of_warped_probabilities():
     masked = scaled.masked_fill(scaled < cutoff[:, None], float("-inf"))
     lse = reference.warped_lse(logits, temperature, cutoff)
     torch.testing.assert_close(torch.exp(masked - lse[:, None]), masked.softmax(dim=-1))
+
+
+def _warped(logits: torch.Tensor, temperature: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cut-off at its ``kept``-th largest logit (scaled), and its warped probabilities."""
+    cutoff = logits.float().topk(kept, dim=-1).values[:, -1] / temperature
+    scaled = logits / temperature[:, None]
+    return cutoff, scaled.masked_fill(scaled < cutoff[:, None], float("-inf")).softmax(dim=-1)
+
+
+@pytest.mark.parametrize("implementation", ["kernel", "reference"])
+def test_warped_sample_draws_the_warped_distribution(implementation):
+    """Draws from three distributions (several draws a row: each its own noise) against their exact warped
+    probabilities: a row cut at its 6th largest logit with a tie at the cut-off (7 tokens kept), one at T=0.3,
+    one uncut with -inf entries (stop tokens: never drawn). A fixed seed: the p-values are the same every run."""
+    from tests.torchspec.test_speculative_sampling import assert_p_values, goodness_of_fit
+
+    torch.manual_seed(6)
+    logits = torch.randn(3, 300) * 2
+    logits[0, 7] = logits[0].topk(6).values[-1]  # ties the cut-off
+    logits[2, :50] = float("-inf")
+    temperature = torch.tensor([0.65, 0.3, 1.0])
+    cutoff, probs = _warped(logits, temperature, 6)
+    cutoff[2] = float("-inf")
+    probs[2] = (logits[2] / temperature[2]).softmax(dim=-1)
+    assert int((probs[0] > 0).sum()) == 7
+    draws = 200 if implementation == "kernel" else 20_000  # the interpreter runs a program per draw and chunk
+    rows = torch.arange(3).repeat_interleave(draws)
+    sample = logits_kernels.warped_sample if implementation == "kernel" else reference.warped_sample
+    seed = torch.tensor([1234], device=DEVICE)
+    tokens = sample(logits.to(DEVICE), rows.to(DEVICE), temperature.to(DEVICE), cutoff.to(DEVICE), seed).cpu()
+    assert tokens.dtype == torch.int64 and tokens.shape == rows.shape
+    counts = [torch.bincount(tokens[rows == row], minlength=300) for row in range(3)]
+    assert_p_values({f"row {row}": goodness_of_fit(counts[row], probs[row]) for row in range(3)}, implementation)
+
+
+def test_warped_sample_finds_the_best_of_every_chunk():
+    """Over SmolLM2's vocabulary a draw is searched in chunks by separate programs: rows keeping one token each,
+    in the first chunk, a middle one and the ragged last, are drawn exactly (bf16 logits, rows read through an
+    index, one of them twice)."""
+    vocab = 49152 + 300
+    logits = torch.zeros(3, vocab)
+    winners = torch.tensor([5, 20_000, vocab - 1])
+    logits[torch.arange(3), winners] = 8.0
+    logits = logits.to(torch.bfloat16 if DEVICE == "cuda" else torch.float16)
+    rows = torch.tensor([2, 0, 1, 2])
+    temperature, cutoff = torch.tensor([0.65, 1.0, 2.0]), torch.tensor([10.0, 7.0, 3.0])  # 8 / T kept, 0 not
+    args = [t.to(DEVICE) for t in (logits, rows, temperature, cutoff, torch.tensor([7]))]
+    assert logits_kernels.warped_sample(*args).cpu().tolist() == winners[rows].tolist()
+    assert reference.warped_sample(*args).cpu().tolist() == winners[rows].tolist()
