@@ -476,7 +476,9 @@ class Runner:
         if any(request.params.penalises for request in requests):  # with the drafts made before (on the host)
             earlier = [request.round.tokens[:column] for request, column in zip(requests, columns, strict=True)]
             presence = self.presence.round_sets(requests, rows, vocab_size, earlier)
-        sampling = DraftSampling.of(requests, first_positions, rows, columns, self.device, presence)
+        sampling = DraftSampling.of(
+            requests, first_positions, rows, columns, self.device, self.ops.top_k_positions, presence
+        )
         if shifts is not None:  # a round that starts earlier draws earlier outputs: stop tokens stay forbidden longer
             sampling.suppress_until = sampling.suppress_until + shifts
         return sampling

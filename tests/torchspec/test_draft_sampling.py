@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from attention import reference
 from torchspec.draft_sampling import DraftSampling
 from torchspec.penalty import penalize
 from torchspec.request import Request, SamplingParams
@@ -45,11 +46,24 @@ def _general_selection(
     return expected, warped_probs(expected[:3], [r.params for r in requests[:3]])
 
 
+def _sampling(
+    requests: list[Request],
+    first_positions: list[int],
+    store_rows: list[int],
+    store_columns: list[int],
+    presence: torch.Tensor | None = None,
+) -> DraftSampling:
+    """The columns on the CPU, with the reference op set's Top-K."""
+    return DraftSampling.of(
+        requests, first_positions, store_rows, store_columns, torch.device("cpu"), reference.top_k_positions, presence
+    )
+
+
 def test_each_forward_samples_from_the_general_warped_distribution_and_keeps_it():
     requests = _requests()
     first_positions = [r.num_computed_tokens for r in requests]  # the round's first draft: its newest token
     store_rows = [5, 0, 2, 7]
-    sampling = DraftSampling.of(requests, first_positions, store_rows, [0] * len(requests), torch.device("cpu"))
+    sampling = _sampling(requests, first_positions, store_rows, [0] * len(requests))
     generator = torch.Generator().manual_seed(0)
     for forward in range(1, K):
         logits = torch.randn(len(requests), VOCAB, generator=torch.Generator().manual_seed(forward))
@@ -82,7 +96,7 @@ def test_each_forward_penalises_the_requests_tokens_and_the_rounds_earlier_draws
     for i, request in enumerate(requests):
         seen[i, request.token_ids] = True
     first_positions = [r.num_computed_tokens for r in requests]
-    sampling = DraftSampling.of(requests, first_positions, [5, 0, 2, 7], [0] * 4, torch.device("cpu"), seen.clone())
+    sampling = _sampling(requests, first_positions, [5, 0, 2, 7], [0] * 4, seen.clone())
     generator, greedy_draws = torch.Generator().manual_seed(0), []
     for forward in range(K - 1):
         logits = torch.randn(len(requests), VOCAB, generator=torch.Generator().manual_seed(forward))
@@ -106,9 +120,7 @@ def test_requests_that_all_filter_by_top_k_warp_over_their_support_alone():
     requests = _requests()
     requests[1].params = SamplingParams(max_new_tokens=20, do_sample=True, temperature=1.3, top_k=3,
                                         stop_token_ids=(1,))  # fmt: skip
-    sampling = DraftSampling.of(
-        requests, [r.num_computed_tokens for r in requests], [5, 0, 2, 7], [0] * 4, torch.device("cpu")
-    )
+    sampling = _sampling(requests, [r.num_computed_tokens for r in requests], [5, 0, 2, 7], [0] * 4)
     assert sampling.support == 9
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -124,9 +136,7 @@ def test_requests_that_all_filter_by_top_k_warp_over_their_support_alone():
 
 def test_a_prefix_keeps_the_first_requests_columns():
     requests = _requests()
-    sampling = DraftSampling.of(
-        requests, [r.num_computed_tokens for r in requests], [5, 0, 2, 7], [0] * 4, torch.device("cpu")
-    )
+    sampling = _sampling(requests, [r.num_computed_tokens for r in requests], [5, 0, 2, 7], [0] * 4)
     assert sampling.prefix(4) is sampling
     two = sampling.prefix(2)
     assert two.store_rows.tolist() == [5, 0] and two.greedy.tolist() == [False, False]
@@ -135,9 +145,7 @@ def test_a_prefix_keeps_the_first_requests_columns():
 
 def test_greedy_requests_alone_take_the_argmax_below_their_stops_and_keep_nothing():
     requests = _requests()[3:] * 2  # greedy, its stop token 2 forbidden for the whole round
-    sampling = DraftSampling.of(
-        requests, [r.num_computed_tokens for r in requests], [1, 4], [0, 0], torch.device("cpu")
-    )
+    sampling = _sampling(requests, [r.num_computed_tokens for r in requests], [1, 4], [0, 0])
     assert sampling.all_greedy and sampling.top_k is None and sampling.top_p is None
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
     logits[:, 2] = 100.0
