@@ -151,16 +151,12 @@ def _(logits, temperature, cutoff):
     return logits.new_empty(logits.shape[:1], dtype=torch.float32)
 
 
-@torch.library.custom_op("torchspec::warped_sample", mutates_args=())
-def warped_sample(
-    logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor, seed: torch.Tensor
-) -> torch.Tensor:
-    """See :func:`attention.reference.warped_sample`."""
-    return logits_kernels.warped_sample(logits, rows, temperature, cutoff, seed)
+# The kernel's own signature is the op's schema.
+warped_sample = torch.library.custom_op("torchspec::warped_sample", mutates_args=())(logits_kernels.warped_sample)
 
 
 @warped_sample.register_fake
-def _(logits, rows, temperature, cutoff, seed):
+def _(logits, rows, temperature, cutoff, seed, lse=None, minus=None, minus_rows=None):
     return rows.new_empty(rows.shape, dtype=torch.int64)
 
 

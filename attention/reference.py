@@ -322,18 +322,40 @@ def warped_lse(logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Te
 
 
 def warped_sample(
-    logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor, seed: torch.Tensor
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    cutoff: torch.Tensor,
+    seed: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    minus: torch.Tensor | None = None,
+    minus_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N]`` int64: a token drawn from each distribution ``rows[i]`` of ``logits`` (``[R, V]``), the softmax of
-    ``logits / temperature`` over the entries at or above ``cutoff`` (as ``warped_lse`` keeps them). A Gumbel-max
-    draw: the kept entry with the largest ``scaled + G``, ``G`` standard Gumbel noise, one per entry and draw
-    from a generator seeded with ``seed`` (``[1]`` int64; the Triton op draws from Philox under it: the same
-    distribution, not the same tokens)."""
+    ``logits / temperature`` over the entries at or above ``cutoff`` (as ``warped_lse`` keeps them). With
+    ``minus`` (``[M, V]``, and ``lse``: each row's ``warped_lse``), draw ``i`` is from that distribution p less
+    row ``minus_rows[i]`` of ``minus`` (q; none where it is -1), ``max(p - q, 0)`` normalised: rejection
+    sampling's correction after a rejected draft; from p itself where nothing is left (p and q equal up to
+    rounding). A Gumbel-max draw: the entry with the largest ``log(weight) + G``, ``G`` standard Gumbel noise,
+    one per entry and draw from a generator seeded with ``seed`` (``[1]`` int64; the Triton op draws from
+    Philox under it: the same distribution, not the same tokens)."""
     generator = torch.Generator(device=logits.device).manual_seed(int(seed))
     scaled = logits[rows] / temperature[rows, None].float()
     uniform = torch.rand(scaled.shape, generator=generator, device=logits.device)
-    noisy = scaled - torch.log(-torch.log(uniform))  # uniform 0 gives -inf: never drawn
-    return noisy.masked_fill(scaled < cutoff[rows, None], float("-inf")).argmax(dim=-1)
+    noise = -torch.log(-torch.log(uniform))  # uniform 0 gives -inf: never drawn
+    kept = scaled >= cutoff[rows, None]
+    if minus is None:
+        return torch.where(kept, scaled + noise, float("-inf")).argmax(dim=-1)
+    probs = torch.where(kept, torch.exp(scaled - lse[rows, None]), 0.0)
+    return (residual_weights(probs, minus, minus_rows).log() + noise).argmax(dim=-1)
+
+
+def residual_weights(probs: torch.Tensor, minus: torch.Tensor, minus_rows: torch.Tensor) -> torch.Tensor:
+    """``max(probs - q, 0)`` per row (``probs`` ``[N, V]``; q row ``minus_rows[i]`` of ``minus``, none where it is
+    -1), or ``probs`` where that leaves nothing: the weights ``warped_sample`` draws from (unnormalised)."""
+    q = torch.where(minus_rows[:, None] >= 0, minus[minus_rows.clamp(min=0)], 0.0)
+    residual = (probs - q).clamp(min=0)
+    return torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
 
 
 def top_k_positions(

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from attention.reference import residual_weights
 from torchspec.request import SamplingParams
 from torchspec.transfer import row_index, to_device
 
@@ -168,21 +169,28 @@ class DenseProbs:
         """The probability of ``tokens`` under distribution ``rows`` (same shape)."""
         return self.probs[rows, tokens]
 
-    def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Whole distributions ``[len(rows), V]``."""
-        return self.probs[rows]
-
-    def sample(self, rows: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """A token from each distribution ``rows`` (``[N]``)."""
-        return torch.multinomial(self.probs[rows], 1, generator=generator)[:, 0]
+    def sample(
+        self,
+        rows: torch.Tensor,
+        generator: torch.Generator | None,
+        minus: torch.Tensor | None = None,
+        minus_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A token from each distribution ``rows`` (``[N]``), less row ``minus_rows[i]`` of ``minus`` where given
+        (see ``attention.reference.warped_sample``)."""
+        probs = self.probs[rows]
+        if minus is not None:
+            probs = residual_weights(probs, minus, minus_rows)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 class WarpedLogits:
     """Warped target distributions (temperature and top-k, transformers' rules) kept as the logits they come
     from: ``p(x) = exp(l_x / T - lse)`` where ``l_x / T`` reaches the row's top-k cut-off, else 0. Rejection
-    sampling reads p at a few tokens per row (the drafts) and whole rows only where it draws (one row per round):
-    the fp32 ``[R, V]`` probabilities of every verify row (W1: 450 MB, several passes over it) never exist. A draw
-    alone (a plain decoding step's) reads the logits once and needs no normaliser (``ops.warped_sample``)."""
+    sampling reads p at a few tokens per row (the drafts), and its draws (the correction after a rejection, the
+    bonus token, a plain step's token) read each row's logits once in one kernel (``ops.warped_sample``): the fp32
+    ``[R, V]`` probabilities of the verify's rows (W1: 450 MB, several passes over it) never exist, nor the
+    drawn rows' (a dozen passes over ``[256, V]`` fp32 a step)."""
 
     def __init__(self, logits: torch.Tensor, temperature: torch.Tensor, cutoff: torch.Tensor, ops: ModuleType):
         self.logits = logits
@@ -196,26 +204,24 @@ class WarpedLogits:
         """``[R]``: each row's log-normaliser, computed when a probability is first asked for."""
         return self._ops.warped_lse(self.logits, self.temperature, self.cutoff)
 
-    def sample(self, rows: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """A token from each distribution ``rows`` (``[N]``), without its probabilities: a Gumbel-max draw under
-        a seed taken from ``generator``."""
+    def sample(
+        self,
+        rows: torch.Tensor,
+        generator: torch.Generator | None,
+        minus: torch.Tensor | None = None,
+        minus_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A token from each distribution ``rows`` (``[N]``), less row ``minus_rows[i]`` of ``minus`` where given
+        (see ``attention.reference.warped_sample``), without materialising any row: a Gumbel-max draw under a seed
+        taken from ``generator``."""
         seed = torch.randint(1 << 62, (1,), generator=generator, device=self.logits.device)
-        return self._ops.warped_sample(self.logits, rows, self.temperature, self.cutoff, seed)
-
-    def _probs(self, scaled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``scaled`` (entries of distributions ``rows``, broadcast along trailing dimensions) as probabilities."""
-        cutoff, lse = self.cutoff[rows], self.lse[rows]
-        while cutoff.dim() < scaled.dim():
-            cutoff, lse = cutoff[..., None], lse[..., None]
-        return torch.where(scaled >= cutoff, torch.exp(scaled - lse), 0.0)
+        lse = None if minus is None else self.lse
+        return self._ops.warped_sample(self.logits, rows, self.temperature, self.cutoff, seed, lse, minus, minus_rows)
 
     def at(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The probability of ``tokens`` under distribution ``rows`` (same shape)."""
-        return self._probs(self.logits[rows, tokens] / self.temperature[rows], rows)
-
-    def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Whole distributions ``[len(rows), V]``."""
-        return self._probs(self.logits[rows] / self.temperature[rows, None], rows)
+        scaled = self.logits[rows, tokens] / self.temperature[rows]
+        return torch.where(scaled >= self.cutoff[rows], torch.exp(scaled - self.lse[rows]), 0.0)
 
 
 def reported_scores(

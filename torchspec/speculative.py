@@ -43,12 +43,12 @@ def accept_sampled(
     Round j's target distributions (after the newest token and after each draft) are rows ``target_rows[j]``
     (``[J, n + 1]``) of ``target``; its drafts are ``drafts[j]`` (``[J, n]``), drawn from
     ``draft_probs[draft_rows[j], :n]`` (``draft_probs`` is ``[S, >= n, V]``; None when ``n`` is 0: plain steps
-    draw from p alone). Entries past ``num_drafts[j]``
-    are padding, never read as distributions. Only what the rule needs is gathered: p and q of each draft, and
-    one row of each for the correction, never the rounds' ``[J, n, V]`` distributions (at W1's 256 rounds x 8
-    drafts x 49K, each such copy costs the GPU ~0.3 ms). Returns ``accepted[j]``, the drafts kept, and
-    ``next_token[j]``, the corrected token after a rejection or the bonus token after full acceptance: round j
-    emits ``drafts[j, :accepted[j]]`` then ``next_token[j]``.
+    draw from p alone). Entries past ``num_drafts[j]`` are padding, never read as distributions. Only what the
+    rule needs is read: p and q of each draft, and for the draw after them one row of each (read in place by
+    ``target.sample``), never the rounds' ``[J, n, V]`` distributions (at W1's 256 rounds x 8 drafts x 49K, each
+    such copy costs the GPU ~0.3 ms). Returns ``accepted[j]``, the drafts kept, and ``next_token[j]``, the
+    corrected token after a rejection or the bonus token after full acceptance: round j emits
+    ``drafts[j, :accepted[j]]`` then ``next_token[j]``.
     """
     num_rounds, n = drafts.shape
     device = drafts.device
@@ -63,10 +63,9 @@ def accept_sampled(
     first_rejected = torch.where(rejected, steps, n).amin(dim=1)
     accepted = first_rejected.minimum(num_drafts)
     rounds = torch.arange(num_rounds, device=device)
-    row_probs = target.rows(target_rows[rounds, accepted])
-    rejected_q = draft_probs[draft_rows, accepted.clamp(max=n - 1)]
-    residual = torch.where((accepted < num_drafts)[:, None], row_probs - rejected_q, row_probs).clamp(min=0)
-    # p == q up to rounding leaves no residual mass: any sample from p is then exact
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, row_probs)
-    next_token = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    # After a rejection, from p less the rejected draft's q (its row of the store viewed as [S * k, V]; p == q up
+    # to rounding leaves no residual mass, and any sample from p is then exact); after every draft was accepted,
+    # the bonus token from p.
+    q_rows = torch.where(accepted < num_drafts, draft_rows * draft_probs.shape[1] + accepted.clamp(max=n - 1), -1)
+    next_token = target.sample(target_rows[rounds, accepted], generator, draft_probs.flatten(0, 1), q_rows)
     return accepted, next_token

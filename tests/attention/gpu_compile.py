@@ -137,10 +137,14 @@ def _warped_lse() -> None:
 
 
 def _warped_sample() -> None:
-    """A plain step's draws over SmolLM2's vocabulary, from its bf16 logits."""
+    """A plain step's draws over SmolLM2's vocabulary, from its bf16 logits, and a verify's corrections (less the
+    rejected drafts' rows of the fp32 draft-probs store)."""
     logits = torch.randn(18, 49152).to(torch.bfloat16)
+    rows, temperature, cutoff = torch.arange(18), torch.full((18,), 0.65), torch.zeros(18)
     seed = torch.ones(1, dtype=torch.int64)
-    logits_kernels.warped_sample(logits, torch.arange(18), torch.full((18,), 0.65), torch.zeros(18), seed)
+    logits_kernels.warped_sample(logits, rows, temperature, cutoff, seed)
+    store = torch.zeros(4 * 8, 49152)
+    logits_kernels.warped_sample(logits, rows, temperature, cutoff, seed, torch.zeros(18), store, rows - 1)
 
 
 def _top_k() -> None:

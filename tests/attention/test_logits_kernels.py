@@ -88,3 +88,33 @@ def test_warped_sample_finds_the_best_of_every_chunk():
     args = [t.to(DEVICE) for t in (logits, rows, temperature, cutoff, torch.tensor([7]))]
     assert logits_kernels.warped_sample(*args).cpu().tolist() == winners[rows].tolist()
     assert reference.warped_sample(*args).cpu().tolist() == winners[rows].tolist()
+
+
+@pytest.mark.parametrize("implementation", ["kernel", "reference"])
+def test_warped_sample_less_a_draft_distribution(implementation):
+    """Rejection sampling's correction: draws from ``max(p - q, 0)`` normalised against the exact residuals (q a
+    point mass on p's likeliest token, and a random distribution over the whole vocabulary), from p where no q is
+    given (-1), and from p where q covers p everywhere (no residual mass left)."""
+    from tests.torchspec.test_speculative_sampling import assert_p_values, goodness_of_fit
+
+    torch.manual_seed(7)
+    vocab = 300
+    logits = torch.randn(2, vocab) * 2
+    temperature = torch.tensor([0.65, 1.0])
+    cutoff, probs = _warped(logits, temperature, 6)
+    cutoff[1] = float("-inf")
+    probs[1] = (logits[1] / temperature[1]).softmax(dim=-1)
+    lse = reference.warped_lse(logits, temperature, cutoff)
+    minus = torch.stack([torch.zeros(vocab), 2 * probs[1], torch.randn(vocab).softmax(dim=-1)])
+    minus[0, probs[0].argmax()] = 1.0
+    residual = (probs[[0, 1]] - minus[[0, 2]]).clamp(min=0)
+    expected = [probs[0], residual[0] / residual[0].sum(), probs[1], residual[1] / residual[1].sum()]
+    draws = 150 if implementation == "kernel" else 20_000  # the interpreter runs a program per draw and chunk
+    group = torch.arange(4).repeat_interleave(draws)
+    rows, minus_rows = torch.tensor([0, 0, 1, 1])[group], torch.tensor([-1, 0, 1, 2])[group]
+    sample = logits_kernels.warped_sample if implementation == "kernel" else reference.warped_sample
+    args = [t.to(DEVICE) for t in (logits, rows, temperature, cutoff, torch.tensor([99]), lse, minus, minus_rows)]
+    tokens = sample(*args).cpu()
+    counts = [torch.bincount(tokens[group == g], minlength=vocab) for g in range(4)]
+    assert counts[1][probs[0].argmax()] == 0  # the point mass's token is spent
+    assert_p_values({f"draw {g}": goodness_of_fit(counts[g], expected[g]) for g in range(4)}, implementation)

@@ -363,7 +363,8 @@ def test_target_probs_without_top_p_are_the_warped_probabilities(dtype):
     assert isinstance(target, WarpedLogits)
     expected = warped_probs(logits, params, owner)
     rows = torch.arange(5)
-    torch.testing.assert_close(target.rows(rows), expected, rtol=1e-5, atol=1e-7)
+    whole = torch.arange(VOCAB).expand(5, VOCAB)
+    torch.testing.assert_close(target.at(rows[:, None].expand_as(whole), whole), expected, rtol=1e-5, atol=1e-7)
     tokens = torch.randint(0, VOCAB, (5, 40), generator=torch.Generator().manual_seed(3))
     tokens[:, 0] = logits.float().topk(50, dim=-1).indices[:, -1]  # at the cut-off
     torch.testing.assert_close(target.at(rows[:, None].expand_as(tokens), tokens), expected.gather(1, tokens))
@@ -379,4 +380,4 @@ def test_target_probs_with_top_p_or_min_p_are_dense(filtered):
     params = [SamplingParams(temperature=0.7, top_k=20, **filtered), SamplingParams(temperature=1.0)]
     target = target_probs(logits, params, None, reference)
     assert isinstance(target, DenseProbs)
-    torch.testing.assert_close(target.rows(torch.arange(2)), warped_probs(logits, params))
+    torch.testing.assert_close(target.probs, warped_probs(logits, params))
