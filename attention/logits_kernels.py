@@ -180,7 +180,7 @@ def warped_sample(
         temperature.float().contiguous(),
         cutoff.float().contiguous(),
         seed,
-        lse if has_minus else cutoff,
+        lse if has_minus else cutoff,  # without HAS_MINUS: placeholders the kernel never reads
         minus if has_minus else logits,
         minus_rows if has_minus else rows,
         best,

@@ -64,7 +64,7 @@ def test_warped_sample_draws_the_warped_distribution(implementation):
     cutoff[2] = float("-inf")
     probs[2] = (logits[2] / temperature[2]).softmax(dim=-1)
     assert int((probs[0] > 0).sum()) == 7
-    draws = 200 if implementation == "kernel" else 20_000  # the interpreter runs a program per draw and chunk
+    draws = 100 if implementation == "kernel" else 20_000  # the interpreter runs a program per draw and chunk
     rows = torch.arange(3).repeat_interleave(draws)
     sample = logits_kernels.warped_sample if implementation == "kernel" else reference.warped_sample
     seed = torch.tensor([1234], device=DEVICE)
@@ -109,7 +109,7 @@ def test_warped_sample_less_a_draft_distribution(implementation):
     minus[0, probs[0].argmax()] = 1.0
     residual = (probs[[0, 1]] - minus[[0, 2]]).clamp(min=0)
     expected = [probs[0], residual[0] / residual[0].sum(), probs[1], residual[1] / residual[1].sum()]
-    draws = 150 if implementation == "kernel" else 20_000  # the interpreter runs a program per draw and chunk
+    draws = 80 if implementation == "kernel" else 20_000  # the interpreter runs a program per draw and chunk
     group = torch.arange(4).repeat_interleave(draws)
     rows, minus_rows = torch.tensor([0, 0, 1, 1])[group], torch.tensor([-1, 0, 1, 2])[group]
     sample = logits_kernels.warped_sample if implementation == "kernel" else reference.warped_sample
