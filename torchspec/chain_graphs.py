@@ -37,6 +37,7 @@ import torch
 
 from torchspec.cuda_graphs import SharedStorage, StepGraphs, held_bucket
 from torchspec.draft_lists import DraftChoice, RoundLists
+from torchspec.draft_probs import KeptDistributions
 from torchspec.draft_sampling import DraftSampling
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
 
@@ -84,7 +85,7 @@ class _ChainStep:
     choice: DraftChoice | None  # [D'] buffers the drafts choose their lists from (its positions: forward 1's)
     tokens: torch.Tensor  # [k, D']
     cu_seqlens_q: torch.Tensor  # [D' + 1]: one query per request (also the kept logits rows)
-    store: torch.Tensor  # the draft-probs store the graphs write (a new store means new captures)
+    store: KeptDistributions  # the draft-probs store's tensors the graphs write (a new store: new captures)
     samplers: dict[tuple, _Sampler]  # by ``DraftSampling.layout()``
 
 
@@ -108,7 +109,7 @@ class ChainGraphs:
         self.generator = generator
         self._steps: dict[int, _ChainStep] = {}
 
-    def tokens(self, inputs: ChainInputs, store: torch.Tensor, spare_row: int) -> torch.Tensor:
+    def tokens(self, inputs: ChainInputs, store: KeptDistributions, spare_row: int) -> torch.Tensor:
         """``[L, D]``: the tokens drafted by forwards 2..L + 1 (row j - 1: forward j + 1), from one replay per
         forward. Writes each forward's K/V, and each draft's distribution into the request's row of ``store``."""
         count = inputs.first_tokens.shape[0]
@@ -147,7 +148,7 @@ class ChainGraphs:
         return step.tokens[1 : inputs.forwards + 1, :count]
 
     def _chain_step(
-        self, size: int, capacity: int, hint: int, store: torch.Tensor, choice: DraftChoice | None
+        self, size: int, capacity: int, hint: int, store: KeptDistributions, choice: DraftChoice | None
     ) -> _ChainStep:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
         later = self.k - 1

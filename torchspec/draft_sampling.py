@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from torchspec.draft_probs import KeptDistributions
 from torchspec.penalty import penalize
 from torchspec.request import Request
 from torchspec.sampling import TopK, warp_logits
@@ -151,21 +152,26 @@ class DraftSampling:
         return dataclasses.replace(self, **{name: change(column) for name, column in self._columns().items()})
 
     def select(
-        self, logits: torch.Tensor, forward: int | torch.Tensor, store: torch.Tensor, generator: torch.Generator | None
+        self,
+        logits: torch.Tensor,
+        forward: int | torch.Tensor,
+        store: KeptDistributions,
+        generator: torch.Generator | None,
     ) -> torch.Tensor:
         """The tokens forward ``forward`` of the chains draws from ``logits`` (``[D, V]``, request i in row i;
         ``forward``: its index, or a device tensor ``[1]`` holding it, as in a chain graph that serves every forward):
         the argmax for greedy requests, else a draw from the warped distribution (transformers' order: repetition
         penalty, stop tokens below ``min_new_tokens``, temperature, top-k, top-p, min-p), which goes to ``store``
-        (the ``[rows, k, V]`` draft-probs store) for the verify's rejection sampling. A round of greedy requests
-        alone takes the argmax and nothing else (its verify reads no draft distribution). The draws join
-        ``presence``, for the next forward's penalty.
+        (over the support below, or the vocabulary) for the verify's rejection sampling. A round of greedy
+        requests alone takes the argmax and nothing else (its verify reads no draft distribution). The draws
+        join ``presence``, for the next forward's penalty.
 
         When every sampled request filters by top-k, the distribution is warped over the ``support`` most
         likely tokens alone (one Top-K, then ops on ``[D, support]``: at 256 x 49K, a dozen passes over the
-        vocabulary cost the GPU ~0.5 ms per forward). It equals transformers' warping unless a token outside
-        the support ties the k-th largest logit, which transformers would keep; the draft may leave such a
-        tie out, as the verify's rejection sampling is exact for any draft distribution it is told."""
+        vocabulary cost the GPU ~0.5 ms per forward), and kept as that support. It equals transformers' warping
+        unless a token outside the support ties the k-th largest logit, which transformers would keep; the draft
+        may leave such a tie out, as the verify's rejection sampling is exact for any draft distribution it is
+        told."""
         # Stop tokens below min_new_tokens: only their entries are read and written (repeats write one value).
         active = (forward < self.suppress_until)[:, None]
         stops = logits.gather(1, self.stop_tokens).masked_fill(active, float("-inf"))
@@ -178,7 +184,11 @@ class DraftSampling:
         return tokens
 
     def _draw(
-        self, logits: torch.Tensor, forward: int | torch.Tensor, store: torch.Tensor, generator: torch.Generator | None
+        self,
+        logits: torch.Tensor,
+        forward: int | torch.Tensor,
+        store: KeptDistributions,
+        generator: torch.Generator | None,
     ) -> torch.Tensor:
         """``select``'s tokens of a round with sampled requests, their distributions kept in ``store``."""
         candidates, support = logits, None
@@ -195,13 +205,9 @@ class DraftSampling:
         )
         probs = warped.softmax(dim=-1)
         draws = torch.multinomial(probs, 1, generator=generator)
-        columns = self.store_columns + forward
-        if support is None:
-            store[self.store_rows, columns] = probs
-        else:  # the rows' zeros, then their support's probabilities: no [D, V] copy of the distributions first
+        store.write(self.store_rows, self.store_columns + forward, probs, support, probs.gather(1, draws)[:, 0])
+        if support is not None:
             draws = support.gather(1, draws)
-            store.index_put_((self.store_rows, columns), store.new_zeros(()))
-            store[self.store_rows[:, None], columns[:, None], support] = probs
         if not self.any_greedy:  # the argmax is a pass over the logits (~23 us a draft at 256 x 49K on an H100)
             return draws[:, 0]
         return torch.where(self.greedy, logits.argmax(dim=-1), draws[:, 0])

@@ -19,7 +19,7 @@ from attention.reference import MAX_SCORED_ROWS
 from torchspec.chain_graphs import ChainGraphs, ChainInputs
 from torchspec.cuda_graphs import StepGraphs
 from torchspec.draft_lists import DraftChoice, DraftForward, DraftKeys, RoundLists, build_lists, offsets
-from torchspec.draft_probs import DraftProbsStore
+from torchspec.draft_probs import DraftProbsStore, KeptDistributions
 from torchspec.draft_sampling import DraftSampling
 from torchspec.drafting import DraftPolicy
 from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context, verify_mass_buffer
@@ -467,8 +467,6 @@ class Runner:
         draft-probs store for their rows, the chain graph's spare row included."""
         if not drafts:
             return None
-        spare = self.max_batch_size if self.chain_graphs is not None else 0
-        self.draft_probs.reserve(max(*rows, spare) + 1, vocab_size)  # before any forward writes: never regrown
         first_positions = [item.first_position for item in drafts]
         columns = [item.first_position - item.device_computed for item in drafts]  # drafts made before
         requests = [item.request for item in drafts]
@@ -481,6 +479,9 @@ class Runner:
         )
         if shifts is not None:  # a round that starts earlier draws earlier outputs: stop tokens stay forbidden longer
             sampling.suppress_until = sampling.suppress_until + shifts
+        spare = self.max_batch_size if self.chain_graphs is not None else 0
+        # Before any forward writes: never regrown within the step (greedy rounds keep no distribution).
+        self.draft_probs.reserve(max(*rows, spare) + 1, vocab_size, 0 if sampling.all_greedy else sampling.support)
         return sampling
 
     def _later_drafts(
@@ -516,7 +517,7 @@ class Runner:
         if self._chain_graph_runs(draft_rows):
             inputs = self._chain_inputs(drafts, counts, first, layout, lists, sampling)
             span = _Span(self.device)
-            tokens = self.chain_graphs.tokens(inputs, self.draft_probs.probs, spare_row=self.max_batch_size)
+            tokens = self.chain_graphs.tokens(inputs, self.draft_probs.kept, spare_row=self.max_batch_size)
             span.stop()
             return tokens, span
         max_list_len = self._max_list_len(drafts)
@@ -528,7 +529,7 @@ class Runner:
             logits = self._logits(
                 forward_metadata, fed[None, :count], position_ids, list(range(count)), max_list_len=max_list_len
             )
-            fed = sampling.prefix(count).select(logits, forward, self.draft_probs.probs, self.generator)
+            fed = sampling.prefix(count).select(logits, forward, self.draft_probs.kept, self.generator)
             tokens[forward - 1, :count] = fed
         span.stop()
         return tokens, span
@@ -763,7 +764,7 @@ class Runner:
         draft_items = np.flatnonzero(is_draft)
         if draft_items.size:
             rows = row_index(first[draft_items].tolist(), self.device)
-            tokens[rows] = sampling.select(logits[rows], 0, self.draft_probs.probs, self.generator)
+            tokens[rows] = sampling.select(logits[rows], 0, self.draft_probs.kept, self.generator)
         accepted, next_token = None, None
         if emitting:
             accepted, next_token = self._accept(
@@ -912,18 +913,16 @@ class Runner:
         target_rows = self._tensor(target_index[[row for _, _, row in verifies]])[:, None] + steps
         if not n:  # plain steps and final prompt chunks: a sample from p, no draft distribution to read
             return accept_sampled(targets, target_rows, drafts, None, None, num_drafts, self.generator)
-        # Proposed drafts as point masses, one row per verify; sampled drafts' rows are the store's, read where the
-        # draft steps wrote them (entries past a round's drafts are padding).
-        draft_rows = torch.arange(len(verifies), device=self.device)
+        # Proposed drafts as point masses, one row per verify; sampled drafts' distributions are the store's, read
+        # where the draft steps kept them (entries past a round's drafts are padding).
         if self.policy.proposes_tokens:
-            draft_probs = torch.zeros(len(verifies), n, targets.vocab_size, dtype=torch.float32, device=self.device)
-            drafted = (steps[:, :n] < num_drafts[:, None]).to(draft_probs.dtype)
-            draft_probs.scatter_(2, drafts[..., None], drafted[..., None])
+            drafted = (steps[:, :n] < num_drafts[:, None]).float()
+            kept = KeptDistributions(drawn=drafted, probs=drafted[..., None], tokens=drafts[..., None])
+            kept_rows = torch.arange(len(verifies), device=self.device)
         else:
-            rows = [self.table.row(item.request) for _, item, _ in verifies]
-            self.draft_probs.reserve(max(rows) + 1, targets.vocab_size)
-            draft_probs, draft_rows = self.draft_probs.probs, self._tensor(rows)
-        return accept_sampled(targets, target_rows, drafts, draft_probs, draft_rows, num_drafts, self.generator)
+            kept = self.draft_probs.kept
+            kept_rows = self._tensor([self.table.row(item.request) for _, item, _ in verifies])
+        return accept_sampled(targets, target_rows, drafts, kept, kept_rows, num_drafts, self.generator)
 
 
 class _Readback:

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from attention import reference
+from torchspec.draft_probs import DraftProbsStore, KeptDistributions
 from torchspec.draft_sampling import DraftSampling
 from torchspec.penalty import penalize
 from torchspec.request import Request, SamplingParams
@@ -59,6 +60,17 @@ def _sampling(
     )
 
 
+def _store(sampling: DraftSampling) -> KeptDistributions:
+    """An empty draft-probs store of 8 rows for the round, as the runner reserves it."""
+    return DraftProbsStore(K, torch.device("cpu")).reserve(8, VOCAB, 0 if sampling.all_greedy else sampling.support)
+
+
+def _dense(kept: KeptDistributions) -> torch.Tensor:
+    """``[8, K, VOCAB]``: every kept distribution as a row of the vocabulary."""
+    rows, index = kept.dense(torch.arange(8 * K), VOCAB)
+    return rows[index].view(8, K, VOCAB)
+
+
 def test_each_forward_samples_from_the_general_warped_distribution_and_keeps_it():
     requests = _requests()
     first_positions = [r.num_computed_tokens for r in requests]  # the round's first draft: its newest token
@@ -68,10 +80,12 @@ def test_each_forward_samples_from_the_general_warped_distribution_and_keeps_it(
     for forward in range(1, K):
         logits = torch.randn(len(requests), VOCAB, generator=torch.Generator().manual_seed(forward))
         logits[0, [3, 7]] += 10  # request 0's stop tokens lead its top-k wherever they are allowed
-        store = torch.zeros(8, K, VOCAB)
-        tokens = sampling.select(logits, forward, store, generator)
+        kept = _store(sampling)
+        tokens = sampling.select(logits, forward, kept, generator)
+        store = _dense(kept)
         expected, probs = _general_selection(requests, logits, forward)
         for i in range(3):
+            torch.testing.assert_close(kept.drawn[store_rows[i], forward], probs[i, tokens[i]])
             torch.testing.assert_close(store[store_rows[i], forward], probs[i])
             assert probs[i, tokens[i]] > 0
         assert tokens[3] == expected[3].argmax()
@@ -101,8 +115,9 @@ def test_each_forward_penalises_the_requests_tokens_and_the_rounds_earlier_draws
     for forward in range(K - 1):
         logits = torch.randn(len(requests), VOCAB, generator=torch.Generator().manual_seed(forward))
         logits[3, [4, 9, 10]] = torch.tensor([5.0, 4.0, 3.0])
-        store = torch.zeros(8, K, VOCAB)
-        tokens = sampling.select(logits, forward, store, generator)
+        kept = _store(sampling)
+        tokens = sampling.select(logits, forward, kept, generator)
+        store = _dense(kept)
         expected, _ = _general_selection(requests, logits, forward)
         penalised = penalize(expected, seen, torch.tensor(penalties))
         probs = warped_probs(penalised[:3], [r.params for r in requests[:3]])
@@ -127,10 +142,12 @@ def test_requests_that_all_filter_by_top_k_warp_over_their_support_alone():
         for forward in range(1, K):
             logits = torch.randn(len(requests), VOCAB, generator=torch.Generator().manual_seed(forward)).to(dtype)
             logits[0, [3, 7]] += 10
-            store = torch.zeros(8, K, VOCAB)
-            tokens = sampling.select(logits, forward, store, generator)
+            kept = _store(sampling)
+            assert kept.tokens is not None and kept.probs.shape[-1] == 9, "kept as the support alone"
+            tokens = sampling.select(logits, forward, kept, generator)
             expected, probs = _general_selection(requests, logits.float(), forward)
-            torch.testing.assert_close(store[[5, 0, 2], forward], probs)
+            torch.testing.assert_close(_dense(kept)[[5, 0, 2], forward], probs)
+            torch.testing.assert_close(kept.drawn[[5, 0, 2], forward], probs[torch.arange(3), tokens[:3]])
             assert all(probs[i, tokens[i]] > 0 for i in range(3)) and tokens[3] == expected[3].argmax()
 
 
@@ -149,8 +166,9 @@ def test_greedy_requests_alone_take_the_argmax_below_their_stops_and_keep_nothin
     assert sampling.all_greedy and sampling.top_k is None and sampling.top_p is None
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
     logits[:, 2] = 100.0
-    store = torch.zeros(8, K, VOCAB)
-    tokens = sampling.select(logits, 1, store, torch.Generator().manual_seed(0))
+    kept = _store(sampling)
+    assert kept.probs.numel() == 0, "a greedy round reserves no distribution"
+    tokens = sampling.select(logits, 1, kept, torch.Generator().manual_seed(0))
     expected = logits.clone()
     expected[:, 2] = float("-inf")
-    assert tokens.tolist() == expected.argmax(dim=-1).tolist() and not store.any()
+    assert tokens.tolist() == expected.argmax(dim=-1).tolist() and not kept.drawn.any()

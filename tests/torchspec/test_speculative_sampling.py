@@ -31,6 +31,7 @@ from transformers.generation.logits_process import (
 
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
+from torchspec.draft_probs import KeptDistributions
 from torchspec.sampling import DenseProbs
 from torchspec.speculative import accept_greedy, accept_sampled
 
@@ -198,24 +199,49 @@ UNIT_CASES = [
 ]
 
 
+def _kept(probs: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor, supports: bool) -> KeptDistributions:
+    """Draft distributions ``probs`` (``[S, c, V]``) as the draft steps keep them, round j's drafts
+    ``drafts[j]`` drawn from row ``rows[j]``: whole rows, or (``supports``) each row as its tokens in a random
+    order and two entries of padding (token 0, probability 0)."""
+    drawn = torch.rand(probs.shape[:2], generator=torch.Generator().manual_seed(6))  # noise where no draft is
+    n = drafts.shape[1]
+    drawn[rows, :n] = probs[rows, :n].gather(2, drafts[..., None])[..., 0]
+    if not supports:
+        return KeptDistributions(drawn=drawn, probs=probs, tokens=None)
+    tokens = torch.rand(probs.shape, generator=torch.Generator().manual_seed(7)).argsort(dim=-1)
+    padding = torch.zeros(*probs.shape[:2], 2, dtype=torch.int64)
+    shuffled = probs.gather(2, tokens)
+    return KeptDistributions(
+        drawn=drawn, probs=torch.cat([shuffled, padding.float()], dim=2), tokens=torch.cat([tokens, padding], dim=2)
+    )
+
+
 def _accept(
-    target: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor, num_drafts: torch.Tensor, generator
+    target: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    num_drafts: torch.Tensor,
+    generator,
+    supports: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """accept_sampled on rounds given as ``[J, n + 1, V]`` targets and ``[J, n, V]`` drafts, laid out as the
     runner hands them over: target rows in one ``[J * (n + 1), V]`` tensor, drafts in a store of more rows (round
-    j in row 2j + 1) and more drafts than the rounds have (one spare column of noise the rule must not read)."""
+    j in row 2j + 1) and more drafts than the rounds have (one spare column of noise the rule must not read),
+    kept as whole rows or (``supports``) as supports."""
     rounds, n = drafts.shape
     target_rows = torch.arange(rounds * (n + 1)).view(rounds, n + 1)
     store = torch.rand(2 * rounds + 1, n + 1, target.shape[-1], generator=torch.Generator().manual_seed(5))
     store[1::2, :n] = draft_probs
     draft_rows = torch.arange(rounds) * 2 + 1
+    kept = _kept(store, drafts, draft_rows, supports)
     return accept_sampled(
-        DenseProbs(target.flatten(0, 1)), target_rows, drafts, store, draft_rows, num_drafts, generator
+        DenseProbs(target.flatten(0, 1)), target_rows, drafts, kept, draft_rows, num_drafts, generator
     )
 
 
+@pytest.mark.parametrize("supports", [False, True], ids=["whole-rows", "supports"])
 @pytest.mark.parametrize("name", UNIT_CASES)
-def test_accept_sampled_is_exact(name):
+def test_accept_sampled_is_exact(name, supports):
     """Two drafts d1 ~ q0, d2 ~ q1[d1] verified against p0, p1[d1] and p2[d1, d2]: the emitted tokens are
     distributed as p0(t1), p0(t1) p1(t2 | t1) and p0(t1) p1(t2 | t1) p2(t3 | t1, t2) (tokens missing after a
     rejection are drawn from p1 / p2, as the next decode steps would). The first draft's acceptance rate is
@@ -238,7 +264,7 @@ def test_accept_sampled_is_exact(name):
     draft_probs = torch.stack([q0.expand(UNIT_TRIALS, -1), q1[d1]], dim=1).float()
     num_drafts = torch.full((UNIT_TRIALS,), 2)
     accepted, next_token = _accept(
-        target, torch.stack([d1, d2], dim=1), draft_probs, num_drafts, torch.Generator().manual_seed(99)
+        target, torch.stack([d1, d2], dim=1), draft_probs, num_drafts, torch.Generator().manual_seed(99), supports
     )
     emitted, first_accepted = [], 0
     for trial, (a, b, kept, corrected) in enumerate(
@@ -304,9 +330,10 @@ def test_accept_sampled_reads_no_distribution_past_a_rounds_drafts():
     drafts = torch.tensor([[2, 0]]).expand(2 * trials, -1)
     num_drafts = torch.cat([torch.ones(trials, dtype=torch.long), torch.zeros(trials, dtype=torch.long)])
     target_rows = torch.arange(2 * trials)[:, None] * 3 + torch.minimum(torch.arange(3), num_drafts[:, None])
+    rows = torch.arange(2 * trials)
     accepted, next_token = accept_sampled(
-        DenseProbs(target.flatten(0, 1)), target_rows, drafts, store, torch.arange(2 * trials), num_drafts,
-        torch.Generator().manual_seed(3),
+        DenseProbs(target.flatten(0, 1)), target_rows, drafts, _kept(store, drafts, rows, supports=False), rows,
+        num_drafts, torch.Generator().manual_seed(3),
     )  # fmt: skip
     assert accepted[:trials].eq(1).all() and accepted[trials:].eq(0).all()
     assert next_token[trials:].eq(4).all(), "a round without drafts must sample its first target row"
