@@ -47,8 +47,9 @@ class SpecConfig:
             its recent rounds rejected, over the batch's mean of the same (at most 3x): the batch reads about what
             even budgets read, the answers whose drafts fall short draft from more of their context and the ones
             whose drafts all pass from less, so the slowest answers do not set the run's end alone. Not with
-            ``query_sketch`` (its budgets are bounds of its device lists). W1 on one H100: +2% (a drain of 9.6 s
-            against 11.6, full-batch rounds 1.1 ms dearer; docs/performance.md); off until an H200 run agrees.
+            ``query_sketch`` (its budgets are bounds of its device lists). ``None`` = on with CUDA for the other
+            sparse drafts, off on a CPU. W1 on three H100s: +2.0%, +1.2% and +3.9% (session 34: a drain of 9.6 s
+            against 11.6, full-batch rounds 1.1 ms dearer; docs/performance.md).
         num_sinks: first tokens (attention sinks) that streaming-style drafts and ``query_sketch`` always attend to.
         recent_window: latest tokens before the verify that PillarAttn drafts always attend to, on top of
             the tokens written since (0 = the policy's own: none for the paper's ``pillar``, 64 for
@@ -148,7 +149,7 @@ class SpecConfig:
     sparsity: float = 0.05
     min_budget: int = 128
     draft_step_budget: int | None = None
-    budget_by_misses: bool = False
+    budget_by_misses: bool | None = None
     num_sinks: int = 4
     recent_window: int = 0
     successors: int = 0
@@ -234,9 +235,9 @@ class SpecConfig:
             "adaptive_rounds=True chooses round lengths from each rank's own step timings, so tensor-parallel ranks "
             "would schedule differently: use adaptive_rounds=False with tensor_parallel_size > 1",
         )
-        for name in ("offload", "unified_schedule", "head_budgets", "adaptive_rounds", "budget_by_misses"):
+        for name in ("offload", "unified_schedule", "head_budgets", "adaptive_rounds"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool")
-        for name in ("compile", "cuda_graphs", "draft_chain", "delayed_verify", "fuse_layers"):
+        for name in ("compile", "cuda_graphs", "draft_chain", "delayed_verify", "fuse_layers", "budget_by_misses"):
             _require(getattr(self, name) in (None, True, False), f"{name} must be None, True or False")
         _require(
             self.host_kv_capacity_tokens is None

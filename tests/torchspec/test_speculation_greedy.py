@@ -490,6 +490,24 @@ def test_budget_by_misses_refuses_query_sketch():
         SpecConfig(draft="query_sketch", budget_by_misses=True)
 
 
+def test_budget_by_misses_is_on_by_default_for_sparse_drafts_on_a_gpu():
+    """``None``: on with CUDA for sparse drafts with budgets (W1, three H100s), not for ``query_sketch``, token
+    proposers, plain decoding or on a CPU; an explicit setting wins."""
+    from torchspec.drafting import POLICIES
+    from torchspec.engine import use_budget_by_misses
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    by_name = {name: POLICIES[name] for name in ("pillar_recent", "streaming", "query_sketch", "ngram")}
+    assert use_budget_by_misses(None, by_name["pillar_recent"], cuda) is True
+    assert use_budget_by_misses(None, by_name["streaming"], cuda) is True
+    assert use_budget_by_misses(None, by_name["query_sketch"], cuda) is False
+    assert use_budget_by_misses(None, by_name["ngram"], cuda) is False
+    assert use_budget_by_misses(None, None, cuda) is False
+    assert use_budget_by_misses(None, by_name["pillar_recent"], cpu) is False
+    assert use_budget_by_misses(True, by_name["pillar_recent"], cpu) is True
+    assert use_budget_by_misses(False, by_name["pillar_recent"], cuda) is False
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 6, 7])
 @pytest.mark.parametrize("policy", ["pillar", "ngram"])
 def test_rounds_are_cut_to_the_tokens_still_allowed(policy, max_new_tokens, baseline, monkeypatch):

@@ -40,7 +40,8 @@ ENGINE_SWITCHES = {
     "unified_schedule": "spread the requests' rounds over a round's phases, one forward per step (auto: off)",
     "offload": "admit requests by the KV they hold and move the newest to host memory when the pool is short "
     "(auto: off)",
-    "budget_by_misses": "weigh each request's draft budget by the drafts its recent rounds rejected (auto: off)",
+    "budget_by_misses": "weigh each request's draft budget by the drafts its recent rounds rejected (auto: on with "
+    "CUDA, except query_sketch)",
 }
 
 
