@@ -22,11 +22,11 @@ SLIDING = tiny_spec(
 )
 
 
-def _generate(spec, **options) -> torch.Tensor:
+def _generate(spec, new_tokens: int = NEW_TOKENS, **options) -> torch.Tensor:
     model = spec.build().to(DEVICE)
     wrapped = sparsespec.wrap(model, kv_capacity_tokens=256, **options)
     kwargs = {name: tensor.to(DEVICE) for name, tensor in BATCH.kwargs().items()}
-    return wrapped.generate(**kwargs, max_new_tokens=NEW_TOKENS, do_sample=False).cpu()
+    return wrapped.generate(**kwargs, max_new_tokens=new_tokens, do_sample=False).cpu()
 
 
 @pytest.mark.parametrize(
@@ -51,13 +51,15 @@ def test_triton_backend_matches_reference(spec, draft):
 def test_query_sketch_keeps_and_scores_its_key_sketch_on_the_kernels(cuda_graphs):
     """The store kernel writes every new key's sketch (prompt, drafts, verifies) and the drafts score it and build
     their lists on the kernels, in eager forwards and in the graphs' static ones: same tokens as the reference
-    path, whose sketch is computed by the reference ops."""
+    path, whose sketch is computed by the reference ops. Two rounds a request (8 tokens at k=4: the interpreter
+    takes ~2.5 s a forward here)."""
     options = {"draft": "query_sketch", "k": 4, "min_budget": 6, "sparsity": 0.1, "recent_window": 1, "num_sinks": 0}
-    expected = _generate(tiny_spec("llama", 2), attention_backend="reference", **options)
+    expected = _generate(tiny_spec("llama", 2), new_tokens=8, attention_backend="reference", **options)
     model = tiny_spec("llama", 2).build().to(DEVICE)
     wrapped = sparsespec.wrap(model, attention_backend="triton", cuda_graphs=cuda_graphs, **options)
-    actual = generate_checking_key_sketches(wrapped, BATCH, max_new_tokens=NEW_TOKENS, do_sample=False).cpu()
+    actual = generate_checking_key_sketches(wrapped, BATCH, max_new_tokens=8, do_sample=False).cpu()
     assert torch.equal(expected, actual)
+    assert wrapped.last_stats.num_rounds >= len(BATCH.lengths), "too few rounds drafted and verified"
 
 
 def test_auto_backend_follows_the_device():
