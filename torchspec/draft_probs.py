@@ -42,9 +42,9 @@ class KeptDistributions:
         None: the vocabulary) and ``drawn[i]``, the probability of its draw."""
         self.drawn[rows, columns] = drawn
         if self.tokens is not None:  # entries past w hold probability 0 (at token 0)
-            pad = (0, self.probs.shape[-1] - probs.shape[-1])
-            self.probs[rows, columns] = F.pad(probs, pad)
-            self.tokens[rows, columns] = F.pad(tokens, pad)
+            missing = self.probs.shape[-1] - probs.shape[-1]
+            self.probs[rows, columns] = F.pad(probs, (0, missing)) if missing else probs
+            self.tokens[rows, columns] = F.pad(tokens, (0, missing)) if missing else tokens
         elif tokens is None:
             self.probs[rows, columns] = probs
         else:  # a support into whole rows: their zeros, then its probabilities (added: padding repeats token 0)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -75,6 +76,7 @@ class Runner:
             )
         self.max_scored_queries = max(1, MAX_SCORED_ROWS // largest_group)
         self.table = SlotTable(device)
+        self._rows_of: tuple[Callable[[], StepPlan | None], np.ndarray] = (lambda: None, np.zeros(0, np.int64))
         self.draft_probs = DraftProbsStore(self.num_draft_slots, device)
         self.presence = TokenPresence(device)  # the tokens of requests with a repetition penalty
         self.graphs = None
@@ -124,7 +126,7 @@ class Runner:
         gathered from the device slot table (see slot_table.py)."""
         items, columns = plan.scheduled, plan.columns
         count = len(items)
-        rows = self._table_rows(items)
+        rows = self._table_rows(plan)
         starts, lengths = columns.first_position, columns.num_query_tokens
         cu_seqlens_q = offsets(lengths)
         total = int(cu_seqlens_q[-1])
@@ -179,9 +181,15 @@ class Runner:
             ids[index[0]] = self.table.last_tokens[index[1]]
         return ids[None], position_ids[None], metadata
 
-    def _table_rows(self, items: Sequence[ScheduledRequest]) -> np.ndarray:
-        """The slot-table rows of the requests of ``items`` (assigned on first use)."""
-        return np.fromiter((self.table.row(item.request) for item in items), np.int64, len(items))
+    def _table_rows(self, plan: StepPlan) -> np.ndarray:
+        """The slot-table rows of the plan's requests, in plan order (assigned on first use). Kept for the latest
+        plan: its metadata and its advance both ask, a pass of Python over the batch each."""
+        held, rows = self._rows_of
+        if held() is not plan:  # (weakly held: a plan keeps its requests alive, and finished ones must go)
+            items = plan.scheduled
+            rows = np.fromiter((self.table.row(item.request) for item in items), np.int64, len(items))
+            self._rows_of = (weakref.ref(plan), rows)
+        return rows
 
     def _view(
         self,
@@ -428,11 +436,10 @@ class Runner:
         indices = np.flatnonzero(~columns.is_draft)  # plan indices of the forward's other requests
         if not indices.size:
             return
-        items = [plan.scheduled[i] for i in indices.tolist()]
         # Computed past a forward's queries: its prompt tokens, or a verify's newest token, plus accepted drafts.
         gains = columns.num_query_tokens[indices] - columns.checked_drafts[indices]
-        sent = self._tensor(np.concatenate([self._table_rows(items), gains]))
-        rows, gains = sent.view(2, len(items))
+        sent = self._tensor(np.concatenate([self._table_rows(plan)[indices], gains]))
+        rows, gains = sent.view(2, indices.size)
         if picks.emitting:  # their plan indices (ascending, as ``indices``), in picks order
             at = row_index(np.searchsorted(indices, picks.emitting).tolist(), self.device)
             gains[at] += picks.accepted

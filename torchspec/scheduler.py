@@ -115,49 +115,34 @@ class ScheduledRequest:
     bound: bool = False
     # A verify, a draft chain's verify or a final prompt chunk whose attention the draft policy learns from.
     learns: bool = True
-    # Read many times per step and fixed until the step is committed: computed once, when scheduled.
+    # Read many times per step and fixed until the step is committed: computed once, when scheduled (a property
+    # read per request costs a call each, ~770 of them a plain step at batch 256).
     first_position: int = field(init=False)  # of the first query token (drafts sit after the newest accepted)
     samples: bool = field(init=False)  # the step produces tokens for it (all but a prefill chunk short of the end)
+    # Its first input is the request's newest token, which the device holds (the runner puts it there, so a step in
+    # flight may have made it: see ``ahead``): a verify's, and a round's first draft's.
+    fed: bool = field(init=False)
+    checked_drafts: int = field(init=False)  # drafts a verify checks (0 for a draft or a prompt chunk)
+    # Logits rows it samples: every row of a verify, one for a draft or a final prompt chunk, none for a prompt
+    # chunk short of the end.
+    sampled_rows: int = field(init=False)
+    # The request's computed count on the device when the step runs: the host's, plus what the step in flight
+    # computes before it (``ahead``).
+    device_computed: int = field(init=False)
+    # Query tokens this request holds in the verify forward of its step's rounds (a chain verified in the same
+    # step: its newest token and drafts; else none).
+    verify_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
-        request = self.request
-        self.first_position = (
-            request.num_computed_tokens + (len(request.round.tokens) if self.phase is Phase.DRAFT else 0) + self.ahead
-        )
-        self.samples = self.phase is not Phase.PREFILL or self.first_position + self.num_query_tokens == len(
-            request.token_ids
-        )
-
-    @property
-    def fed(self) -> bool:
-        """Its first input is the request's newest token, which the device holds (the runner puts it there, so
-        a step in flight may have made it: see ``ahead``): a verify's, and a round's first draft's."""
-        return self.phase is Phase.VERIFY or (self.phase is Phase.DRAFT and not self.request.round.tokens)
-
-    @property
-    def checked_drafts(self) -> int:
-        """Drafts a verify checks (0 for a draft or a prompt chunk)."""
-        return self.num_query_tokens - 1 if self.phase is Phase.VERIFY else 0
-
-    @property
-    def sampled_rows(self) -> int:
-        """Logits rows it samples: every row of a verify, one for a draft or a final prompt chunk, none for a
-        prompt chunk short of the end."""
-        if not self.samples:
-            return 0
-        return self.num_query_tokens if self.phase is Phase.VERIFY else 1
-
-    @property
-    def device_computed(self) -> int:
-        """The request's computed count on the device when the step runs: the host's, plus what the step in
-        flight computes before it (``ahead``)."""
-        return self.request.num_computed_tokens + self.ahead
-
-    @property
-    def verify_tokens(self) -> int:
-        """Query tokens this request holds in the verify forward of its step's rounds (a chain verified in the
-        same step: its newest token and drafts; else none)."""
-        return 1 + self.chain if self.verifies else 0
+        request, phase, queries = self.request, self.phase, self.num_query_tokens
+        drafting, verifying = phase is Phase.DRAFT, phase is Phase.VERIFY
+        self.device_computed = request.num_computed_tokens + self.ahead
+        self.first_position = self.device_computed + (len(request.round.tokens) if drafting else 0)
+        self.samples = phase is not Phase.PREFILL or self.first_position + queries == len(request.token_ids)
+        self.fed = verifying or (drafting and not request.round.tokens)
+        self.checked_drafts = queries - 1 if verifying else 0
+        self.sampled_rows = (queries if verifying else 1) if self.samples else 0
+        self.verify_tokens = 1 + self.chain if self.verifies else 0
 
     @property
     def end_position(self) -> int:
