@@ -97,6 +97,9 @@ def test_host_step_times_decoding_steps_without_a_forward():
     own = profiled["own_ms_per_step"]  # a quarter of the steps profiled: the engine's functions, most own time first
     assert profiled["profiled_steps"] > 0 and 0 < len(own) <= 5 and list(own.values()) == sorted(own.values())[::-1]
     assert all(".py:" in name for name in own) and any(name.startswith("runner.py:") for name in own), own
+    # Python calls per profiled step (cProfile's count): only where steps were profiled; at batch 4 a plain step makes
+    # ~700 (the engine's functions among them).
+    assert plain["python_calls_per_step"] is None and profiled["python_calls_per_step"] > len(own)
     speculative = host_step.measure(batch=4, prompt_len=20, new_tokens=20, draft="pillar_recent", temperature=0.0)
     assert speculative["steps_timed"] >= 8 and speculative["host_ms_per_step"] > 0
     assert speculative["ops_per_step"] > 0
