@@ -21,6 +21,7 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
 
 from torchspec.bench import gpu_time
 from torchspec.bench.w1 import SAMPLING, warmed_up
@@ -47,7 +48,7 @@ def by_forward(kernels: list[gpu_time.Kernel], layers: int, shown: int = 12) -> 
         for kernel in forward:
             times[gpu_time.kernel_kind(kernel.name)] += kernel.end_us - kernel.start_us
         parts = ", ".join(f"{kind} {micros / 1e3:.2f}" for kind, micros in times.most_common())
-        print(f"   forward: {len(forward)} kernels, busy {gpu_time.busy_us(forward) / 1e3:.2f} ms ({parts})")
+        tqdm.write(f"   forward: {len(forward)} kernels, busy {gpu_time.busy_us(forward) / 1e3:.2f} ms ({parts})")
 
 
 def report(prof: profile, wall_ms: float, steps: int, layers: int) -> None:
@@ -59,13 +60,12 @@ def report(prof: profile, wall_ms: float, steps: int, layers: int) -> None:
     for kernel in kernels:
         totals[kernel.name[:60]] += kernel.end_us - kernel.start_us
         counts[kernel.name[:60]] += 1
-    print(
+    tqdm.write(
         f"WINDOW steps={steps} wall_ms_per_step={wall_ms / steps:.2f} gpu_busy_ms_per_step={busy / 1e3 / steps:.2f} "
-        f"gpu_span_ms={span / 1e3 / steps:.2f} kernels_per_step={len(kernels) / steps:.0f}",
-        flush=True,
+        f"gpu_span_ms={span / 1e3 / steps:.2f} kernels_per_step={len(kernels) / steps:.0f}"
     )
     for name, micros in totals.most_common(22):
-        print(f"   {micros / 1e3 / steps:7.3f} ms/step {counts[name] / steps:6.1f}x  {name}")
+        tqdm.write(f"   {micros / 1e3 / steps:7.3f} ms/step {counts[name] / steps:6.1f}x  {name}")
     by_forward(kernels, layers)
 
 
@@ -83,7 +83,7 @@ def main() -> None:
             requests = [item.request for item in plan.scheduled]
             context = sum(request.num_computed_tokens for request in requests) / max(1, len(requests))
             window = f"window at step {state['steps']}: batch {len(requests)} mean context {context:.0f}"
-            print(f"== {draft} {options} {window}")
+            tqdm.write(f"== {draft} {options} {window}")
             state["profiler"] = profile(activities=[ProfilerActivity.CUDA])
             state["profiler"].__enter__()
             state["start"] = time.perf_counter()

@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from torchspec import sparsespec
 from torchspec.models import load_model
@@ -47,7 +48,7 @@ def main() -> None:
             profiler.disable()
             wall = 1e3 * (time.perf_counter() - started[0]) / count
             batch = len(plan.scheduled)
-            print(f"{draft}: {count} steps profiled, the last at batch {batch}, {wall:.1f} ms each (profiled)")
+            tqdm.write(f"{draft}: {count} steps profiled, the last at batch {batch}, {wall:.1f} ms each (profiled)")
 
     wrapped.engine.observers.append(window)
     wrapped.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling)

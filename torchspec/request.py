@@ -48,6 +48,14 @@ class SamplingParams:
     # logits): ``Request.scores`` / ``Request.raw_logits``, one fp32 row of the vocabulary per token.
     output_scores: bool = False
     output_logits: bool = False
+    # Read per request several times a step: set once (a property's call each time, at batch 256, is host time).
+    greedy: bool = field(init=False, repr=False, compare=False)  # argmax: no sampling, or temperature 0
+    # Its tokens' logits change with the tokens it holds (the runner then tracks them on the device).
+    penalises: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "greedy", not self.do_sample or self.temperature == 0.0)
+        object.__setattr__(self, "penalises", self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad value and its valid range."""
@@ -68,15 +76,6 @@ class SamplingParams:
             )
         if self.min_p is None or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0.0
-
-    @property
-    def penalises(self) -> bool:
-        """Its tokens' logits change with the tokens it holds (the runner then tracks them on the device)."""
-        return self.repetition_penalty != 1.0
 
 
 @dataclass

@@ -134,14 +134,20 @@ class WarpColumns(NamedTuple):
 
 def _warp_columns(params: Sequence[SamplingParams], owner: np.ndarray | None, device: torch.device) -> WarpColumns:
     """The warper columns of rows ``r`` taking ``params[owner[r]]`` (``owner`` None: ``params[r]``), gathered
-    with NumPy, not a loop per row."""
-    owner = np.arange(len(params)) if owner is None else owner
-    column = lambda values, dtype: np.fromiter(values, dtype, len(params))[owner]  # noqa: E731
-    top_k = column((p.top_k for p in params), np.int64)
-    top_p = column((p.top_p for p in params), np.float64)
-    min_p = column((p.min_p for p in params), np.float64)
+    with NumPy, not a loop per row; one parameter set for every row (a ``generate`` call's) is not read per row."""
+    rows = len(params) if owner is None else owner.size
+    if len(set(map(id, params))) == 1:
+        column = lambda name, dtype: np.full(rows, getattr(params[0], name), dtype)  # noqa: E731
+    else:
+        owner = np.arange(len(params)) if owner is None else owner
+        column = lambda name, dtype: np.fromiter(  # noqa: E731
+            (getattr(p, name) for p in params), dtype, len(params)
+        )[owner]
+    top_k = column("top_k", np.int64)
+    top_p = column("top_p", np.float64)
+    min_p = column("min_p", np.float64)
     return WarpColumns(
-        temperature=to_device(column((p.temperature for p in params), np.float64), device, torch.float32),
+        temperature=to_device(column("temperature", np.float64), device, torch.float32),
         top_k=to_device(top_k, device, torch.int64) if top_k.any() else None,
         top_p=to_device(top_p, device, torch.float64) if (top_p < 1).any() else None,
         max_top_k=int(top_k.max(initial=0)),
