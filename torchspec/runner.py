@@ -11,6 +11,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from types import ModuleType
 
 import numpy as np
@@ -207,7 +208,7 @@ class Runner:
         """Per item, how many positions before the host's assumption its request really starts, on the device:
         a round launched ahead (``bound``) assumes the round in flight accepts every draft. None when every
         item's start is known on the host (nothing to correct)."""
-        if not any(item.bound for item in items):
+        if not any(map(attrgetter("bound"), items)):
             return None
         sent = self._tensor([[item.device_computed for item in items], [self.table.row(i.request) for i in items]])
         return sent[0] - self.table.computed[sent[1]]
@@ -232,8 +233,8 @@ class Runner:
         if not drafts or self.policy.selects_in_attention:
             return None
         requests, count = [item.request for item in drafts], len(drafts)
-        firsts = np.fromiter((item.first_position for item in drafts), np.int64, count)
-        chains = np.fromiter((item.chain for item in drafts), np.int64, count)
+        firsts = np.fromiter(map(attrgetter("first_position"), drafts), np.int64, count)
+        chains = np.fromiter(map(attrgetter("chain"), drafts), np.int64, count)
         asked = (self.policy.draft_positions(r, p) for r, p in zip(requests, firsts.tolist(), strict=True))
         fixed, recent = zip(*asked, strict=True)
         recent_from = np.asarray(recent, dtype=np.int64)
@@ -275,7 +276,7 @@ class Runner:
             return None
         requests = [item.request for item in items]
         rows = np.fromiter((self.table.row(request) for request in requests), np.int64, len(items))
-        firsts = np.fromiter((item.first_position for item in items), np.int64, len(items))
+        firsts = np.fromiter(map(attrgetter("first_position"), items), np.int64, len(items))
         device_rows = self._tensor(rows)
 
         def select(layer: int, queries: torch.Tensor, k_cache: torch.Tensor, scale: float) -> KVView:
@@ -510,13 +511,13 @@ class Runner:
             return None, None
         # Forward j (1 .. longest - 1) holds the drafts whose chain is longer than j: a prefix of them. Its
         # entries, forward after forward: each such draft at its first position + j.
-        chains = np.fromiter((item.chain for item in drafts), np.int64, len(drafts))
+        chains = np.fromiter(map(attrgetter("chain"), drafts), np.int64, len(drafts))
         counts = (chains[None, :] > np.arange(1, longest)[:, None]).sum(axis=1).tolist()
         owner = np.concatenate([np.arange(count) for count in counts])
-        first_positions = np.fromiter((item.first_position for item in drafts), np.int64, len(drafts))
+        first_positions = np.fromiter(map(attrgetter("first_position"), drafts), np.int64, len(drafts))
         entry_positions = first_positions[owner] + np.repeat(np.arange(1, longest), counts)
         entry_rows = np.array(draft_rows)[owner]
-        computed = np.fromiter((item.device_computed for item in drafts), np.int64, len(drafts))[owner]
+        computed = np.fromiter(map(attrgetter("device_computed"), drafts), np.int64, len(drafts))[owner]
         sent = self._tensor(np.stack([entry_positions - computed, entry_rows]))  # offsets past computed, rows
         entry_positions_t = self.table.computed[sent[1]] + sent[0]
         layout = torch.stack([entry_positions_t, self.table.slots[sent[1], entry_positions_t]])  # positions, slots
@@ -631,7 +632,7 @@ class Runner:
         # A request's sampled rows are the last of its query tokens: from its end less their count.
         ends = np.cumsum(columns.num_query_tokens)
         rows = np.repeat(ends - sampled - first, sampled) + np.arange(int(sampled.sum()))
-        prefill = any(item.phase is Phase.PREFILL for item in plan.scheduled)
+        prefill = Phase.PREFILL in map(attrgetter("phase"), plan.scheduled)
         logits = self._logits(
             metadata, input_ids, position_ids, rows, max_list_len=self._max_list_len(plan.scheduled), prefill=prefill
         )
@@ -719,7 +720,7 @@ class Runner:
         256 requests is 2,304 rows: a Python loop per row costs milliseconds)."""
         items = plan.scheduled
         num_items = len(items)
-        params = [item.request.params for item in items]
+        params = list(map(attrgetter("request.params"), items))
         # Rows each request samples (its first row to the next request's: ``logits`` holds sampled rows only),
         # and the output index of the token sampled after its first one (from positions alone: the host's
         # token list may lag the step in flight).
@@ -731,7 +732,7 @@ class Runner:
         row_number = np.arange(owner.size) - first[owner]  # the row's index within its request's rows
         is_draft = columns.is_draft
         kept = self._keep_rows(logits, params, first, counts, is_draft)
-        min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, num_items)
+        min_new = np.fromiter(map(attrgetter("min_new_tokens"), params), np.int64, num_items)
         outputs = bases[owner] + row_number  # the output index each row samples (an upper bound for a bound item)
         below = outputs < min_new[owner]
         stops = [p.stop_token_ids for p in params]
@@ -744,7 +745,7 @@ class Runner:
                 margin = self._tensor(outputs[unsure] - min_new[owner[unsure]])
                 when = margin < shifts[self._tensor(owner[unsure])]
                 suppress_stop_tokens(logits, unsure, [stops[i] for i in owner[unsure].tolist()], when)
-        greedy = np.fromiter((p.greedy for p in params), bool, num_items)
+        greedy = np.fromiter(map(attrgetter("greedy"), params), bool, num_items)
         # Verifies and final prompt chunks emit tokens: accepted drafts and the next token, on the device.
         emitting = np.flatnonzero((counts > 0) & ~is_draft).tolist()
         drafts = self._emitting_drafts([items[i] for i in emitting], emitting, drafted) if emitting else None
@@ -822,7 +823,7 @@ class Runner:
         (none for a final prompt chunk): from ``drafted`` (rows by plan index) when given, else from the host."""
         if drafted is not None:
             return drafted[row_index(indices, self.device)]
-        n = max(item.checked_drafts for item in items)
+        n = max(map(attrgetter("checked_drafts"), items))
         if not n:  # plain steps and final prompt chunks: nothing to copy over
             return torch.zeros(len(items), 0, dtype=torch.int64, device=self.device)
         rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item in items]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from types import ModuleType
 from typing import NamedTuple
 
@@ -140,9 +141,7 @@ def _warp_columns(params: Sequence[SamplingParams], owner: np.ndarray | None, de
         column = lambda name, dtype: np.full(rows, getattr(params[0], name), dtype)  # noqa: E731
     else:
         owner = np.arange(len(params)) if owner is None else owner
-        column = lambda name, dtype: np.fromiter(  # noqa: E731
-            (getattr(p, name) for p in params), dtype, len(params)
-        )[owner]
+        column = lambda name, dtype: np.fromiter(map(attrgetter(name), params), dtype, len(params))[owner]  # noqa: E731
     top_k = column("top_k", np.int64)
     top_p = column("top_p", np.float64)
     min_p = column("min_p", np.float64)

@@ -63,6 +63,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -200,7 +201,7 @@ class StepPlan:
     num_drafts: int = field(init=False)  # read several times per step: counted once
 
     def __post_init__(self) -> None:
-        self.num_drafts = sum(item.phase is Phase.DRAFT for item in self.scheduled)
+        self.num_drafts = list(map(attrgetter("phase"), self.scheduled)).count(Phase.DRAFT)
 
     @property
     def num_tokens(self) -> int:
@@ -421,7 +422,7 @@ class Scheduler:
     def observe_step(self, plan: StepPlan, wall_ms: float, draft_ms: float | None) -> None:
         """Report a step's cost to the round length: its wall time and what one of its later draft forwards
         took (None: none ran). Decoding steps only: a step with prompt chunks costs what no round costs."""
-        if any(item.phase is Phase.PREFILL for item in plan.scheduled):
+        if Phase.PREFILL in map(attrgetter("phase"), plan.scheduled):
             return
         self.round_length.observe(len(plan.scheduled), plan.round_length, wall_ms, draft_ms)
 
