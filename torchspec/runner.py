@@ -204,13 +204,13 @@ class Runner:
         lengths = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
         return KVView(indptr, indices, int(lengths.max(initial=0)))
 
-    def _shifts(self, items: Sequence[ScheduledRequest]) -> torch.Tensor | None:
+    def _shifts(self, plan: StepPlan) -> torch.Tensor | None:
         """Per item, how many positions before the host's assumption its request really starts, on the device:
         a round launched ahead (``bound``) assumes the round in flight accepts every draft. None when every
         item's start is known on the host (nothing to correct)."""
-        if not any(map(attrgetter("bound"), items)):
+        if not any(map(attrgetter("bound"), plan.scheduled)):
             return None
-        sent = self._tensor([[item.device_computed for item in items], [self.table.row(i.request) for i in items]])
+        sent = self._tensor(np.stack([plan.columns.device_computed, self._table_rows(plan)]))
         return sent[0] - self.table.computed[sent[1]]
 
     def _scored_queries(self, items: Sequence[ScheduledRequest]) -> list[int]:
@@ -358,9 +358,9 @@ class Runner:
         step's tokens to the host. Nothing here waits for the GPU: a round's forwards queue back to back, and
         the next step can be queued before this one is collected."""
         drafts = plan.scheduled[: plan.num_drafts]
-        shifts = self._shifts(plan.scheduled)
+        shifts = self._shifts(plan)
         draft_shifts = None if shifts is None else shifts[: len(drafts)]
-        draft_rows = [self.table.row(item.request) for item in drafts]  # their slot-table and store rows
+        draft_rows = self._table_rows(plan)[: len(drafts)].tolist()  # their slot-table and store rows
         lists = self._round_lists(drafts, draft_rows, draft_shifts)
         input_ids, position_ids, metadata = self.build_metadata(plan, shifts=shifts, lists=lists)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)

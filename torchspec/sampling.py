@@ -135,13 +135,9 @@ class WarpColumns(NamedTuple):
 
 def _warp_columns(params: Sequence[SamplingParams], owner: np.ndarray | None, device: torch.device) -> WarpColumns:
     """The warper columns of rows ``r`` taking ``params[owner[r]]`` (``owner`` None: ``params[r]``), gathered
-    with NumPy, not a loop per row; one parameter set for every row (a ``generate`` call's) is not read per row."""
-    rows = len(params) if owner is None else owner.size
-    if len(set(map(id, params))) == 1:
-        column = lambda name, dtype: np.full(rows, getattr(params[0], name), dtype)  # noqa: E731
-    else:
-        owner = np.arange(len(params)) if owner is None else owner
-        column = lambda name, dtype: np.fromiter(map(attrgetter(name), params), dtype, len(params))[owner]  # noqa: E731
+    with NumPy, not a loop of Python per row."""
+    owner = np.arange(len(params)) if owner is None else owner
+    column = lambda name, dtype: np.fromiter(map(attrgetter(name), params), dtype, len(params))[owner]  # noqa: E731
     top_k = column("top_k", np.int64)
     top_p = column("top_p", np.float64)
     min_p = column("min_p", np.float64)
