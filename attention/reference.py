@@ -393,7 +393,9 @@ def store_key_sketch(k_cache: torch.Tensor, slots: torch.Tensor, codes: torch.Te
     D]``) into ``codes`` (``[slots, Hkv, D // 2]`` uint8) and ``scales`` (``[slots, Hkv]`` fp32): a key's scale is
     its largest magnitude over ``SKETCH_LEVELS``, its codes each channel over the scale, rounded half to even."""
     keys = k_cache[slots].float()
-    scale = keys.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny) / SKETCH_LEVELS
+    largest = keys.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+    # By a tensor: by a Python number CUDA multiplies by its reciprocal, a bit off the kernel's IEEE division.
+    scale = largest / torch.full_like(largest, SKETCH_LEVELS)
     stored = (keys / scale[..., None]).round().clamp(-SKETCH_LEVELS, SKETCH_LEVELS).to(torch.int32) + 8
     codes[slots] = (stored[..., 0::2] | (stored[..., 1::2] << 4)).to(torch.uint8)
     scales[slots] = scale

@@ -27,6 +27,8 @@ from torchspec.bench import gpu_time
 from torchspec.bench.w1 import SAMPLING, warmed_up
 from torchspec.scheduler import StepPlan
 
+LAYER_KINDS = frozenset({"attention", "attention split merge", "matmul", "RMSNorm", "RoPE + K/V store", "SiLU x mul"})
+
 
 def by_forward(kernels: list[gpu_time.Kernel], layers: int, shown: int = 12) -> None:
     """The window's first ``shown`` forwards, each its kernels from its first layer's RMSNorm to the next
@@ -49,10 +51,21 @@ def by_forward(kernels: list[gpu_time.Kernel], layers: int, shown: int = 12) -> 
             times[gpu_time.kernel_kind(kernel.name)] += kernel.end_us - kernel.start_us
         parts = ", ".join(f"{kind} {micros / 1e3:.2f}" for kind, micros in times.most_common())
         tqdm.write(f"   forward: {len(forward)} kernels, busy {gpu_time.busy_us(forward) / 1e3:.2f} ms ({parts})")
+    if forwards:  # what a verify (the largest forward) and a draft launch besides their layers
+        shown_forwards = forwards[:shown]
+        for label, forward in (("largest", max(shown_forwards, key=len)), ("smallest", min(shown_forwards, key=len))):
+            outside = collections.Counter(
+                kernel.name[:70] for kernel in forward if gpu_time.kernel_kind(kernel.name) not in LAYER_KINDS
+            )
+            listed = "; ".join(f"{count}x {name}" for name, count in outside.most_common())
+            tqdm.write(f"   {label} forward, {sum(outside.values())} kernels outside its layers: {listed}")
 
 
-def report(prof: profile, wall_ms: float, steps: int, layers: int) -> None:
-    """Busy time (union of kernel intervals), span and kernel totals, per step; then forward by forward."""
+def report(prof: profile, wall_ms: float, unprofiled_ms: float, steps: int, layers: int) -> None:
+    """Busy time (union of kernel intervals), span and kernel totals, per step; the idle share of the unprofiled
+    steps just before the window (``unprofiled_ms``, as many steps: the profiler slows the host, so the window's
+    own wall time overstates idleness; steps applied one after another in steady state are a step's wall time
+    apart); then forward by forward."""
     kernels = gpu_time.kernels(prof)
     busy = gpu_time.busy_us(kernels)
     span = max(k.end_us for k in kernels) - min(k.start_us for k in kernels)
@@ -62,7 +75,9 @@ def report(prof: profile, wall_ms: float, steps: int, layers: int) -> None:
         counts[kernel.name[:60]] += 1
     tqdm.write(
         f"WINDOW steps={steps} wall_ms_per_step={wall_ms / steps:.2f} gpu_busy_ms_per_step={busy / 1e3 / steps:.2f} "
-        f"gpu_span_ms={span / 1e3 / steps:.2f} kernels_per_step={len(kernels) / steps:.0f}"
+        f"gpu_span_ms={span / 1e3 / steps:.2f} kernels_per_step={len(kernels) / steps:.0f} "
+        f"unprofiled_wall_ms_per_step={unprofiled_ms / steps:.2f} "
+        f"idle_of_unprofiled={1 - busy / 1e3 / unprofiled_ms:.1%}"
     )
     for name, micros in totals.most_common(22):
         tqdm.write(f"   {micros / 1e3 / steps:7.3f} ms/step {counts[name] / steps:6.1f}x  {name}")
@@ -75,10 +90,13 @@ def main() -> None:
     options = json.loads(rest[0]) if rest else {}
     wrapped, prompts = warmed_up(path, draft, options)
     state = {"steps": 0, "profiler": None}
+    applied: dict[int, float] = {}  # step number -> when it was applied, for the steps just before a window
 
     def windowed(plan: StepPlan, finished: list) -> None:
         """After each applied step: open a profile window at the chosen steps, close it ``span`` steps on."""
         state["steps"] += 1
+        if any(0 <= start - state["steps"] <= span for start in starts):  # no sync: the steps keep overlapping
+            applied[state["steps"]] = time.perf_counter()
         if state["steps"] in starts:
             requests = [item.request for item in plan.scheduled]
             context = sum(request.num_computed_tokens for request in requests) / max(1, len(requests))
@@ -91,7 +109,9 @@ def main() -> None:
             torch.cuda.synchronize()
             wall_ms = 1e3 * (time.perf_counter() - state["start"])
             state["profiler"].__exit__(None, None, None)
-            report(state["profiler"], wall_ms, span, wrapped.config.num_hidden_layers)
+            start = state["steps"] - span
+            unprofiled_ms = 1e3 * (applied[start] - applied[start - span])
+            report(state["profiler"], wall_ms, unprofiled_ms, span, wrapped.config.num_hidden_layers)
             state["profiler"] = None
 
     wrapped.engine.observers.append(windowed)

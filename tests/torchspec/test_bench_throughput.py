@@ -166,6 +166,10 @@ def test_a_run_names_its_draft_and_switches_so_one_command_runs_an_ablation(caps
         "query_sketch",
         {"k": 4, "sparsity": 0.1, "sketch_shortlist": 4},
     )
+    assert parse_setting("pillar_recent+min_budget=64+recent_window=32+successors=2") == (
+        "pillar_recent",
+        {"min_budget": 64, "recent_window": 32, "successors": 2},
+    )
     for bad, named in (
         ("pilar", "unknown draft 'pilar'"),
         ("none+compil", "unknown switch 'compil'"),

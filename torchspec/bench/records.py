@@ -50,6 +50,8 @@ ENGINE_VALUES: dict[str, type] = {
     "k": int,
     "sparsity": float,
     "min_budget": int,
+    "recent_window": int,
+    "successors": int,
     "sketch_shortlist": int,
     "relearn_rounds": int,
     "draft_step_budget": int,
