@@ -27,7 +27,8 @@ from torchspec.bench import gpu_time
 from torchspec.bench.w1 import SAMPLING, warmed_up
 from torchspec.scheduler import StepPlan
 
-LAYER_KINDS = frozenset({"attention", "attention split merge", "matmul", "RMSNorm", "RoPE + K/V store", "SiLU x mul"})
+# What a decoder layer launches (the LM head's matmul counts with them): every named kind but compiled fusions.
+LAYER_KINDS = frozenset(gpu_time.KERNEL_KINDS.values()) - {"fused elementwise (compiled)"}
 
 
 def by_forward(kernels: list[gpu_time.Kernel], layers: int, shown: int = 12) -> None:
@@ -87,6 +88,8 @@ def report(prof: profile, wall_ms: float, unprofiled_ms: float, steps: int, laye
 def main() -> None:
     path, new_tokens, draft, windows, span, *rest = sys.argv[1:]
     starts, span = {int(step) for step in windows.split(",")}, int(span)
+    if min(starts) <= span:
+        sys.exit(f"a window starts after the {span} unprofiled steps timed before it: start windows past step {span}")
     options = json.loads(rest[0]) if rest else {}
     wrapped, prompts = warmed_up(path, draft, options)
     state = {"steps": 0, "profiler": None}
