@@ -52,14 +52,19 @@ def by_forward(kernels: list[gpu_time.Kernel], layers: int, shown: int = 12) -> 
             times[gpu_time.kernel_kind(kernel.name)] += kernel.end_us - kernel.start_us
         parts = ", ".join(f"{kind} {micros / 1e3:.2f}" for kind, micros in times.most_common())
         tqdm.write(f"   forward: {len(forward)} kernels, busy {gpu_time.busy_us(forward) / 1e3:.2f} ms ({parts})")
-    if forwards:  # what a verify (the largest forward) and a draft launch besides their layers
+    if forwards:  # what a verify (the largest forward) and a draft launch besides their layers, dearest first
         shown_forwards = forwards[:shown]
         for label, forward in (("largest", max(shown_forwards, key=len)), ("smallest", min(shown_forwards, key=len))):
-            outside = collections.Counter(
-                kernel.name[:70] for kernel in forward if gpu_time.kernel_kind(kernel.name) not in LAYER_KINDS
+            counts, micros = collections.Counter(), collections.Counter()
+            for kernel in forward:
+                if gpu_time.kernel_kind(kernel.name) not in LAYER_KINDS:
+                    counts[kernel.name[:70]] += 1
+                    micros[kernel.name[:70]] += kernel.end_us - kernel.start_us
+            listed = "; ".join(f"{counts[name]}x {us:.0f} us {name}" for name, us in micros.most_common())
+            tqdm.write(
+                f"   {label} forward, {sum(counts.values())} kernels outside its layers, "
+                f"{sum(micros.values()) / 1e3:.2f} ms: {listed}"
             )
-            listed = "; ".join(f"{count}x {name}" for name, count in outside.most_common())
-            tqdm.write(f"   {label} forward, {sum(outside.values())} kernels outside its layers: {listed}")
 
 
 def report(prof: profile, wall_ms: float, unprofiled_ms: float, steps: int, layers: int) -> None:

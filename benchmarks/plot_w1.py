@@ -21,19 +21,23 @@ import matplotlib.pyplot as plt
 ROOT = Path(__file__).resolve().parent
 
 
-def w1_pairs(path: Path) -> list[tuple[str, float, float]]:
-    """(tree, none tok/s, pillar_recent tok/s) for every tree and session that ran both at W1's defaults."""
+def w1_pairs(path: Path) -> tuple[list[tuple[str, float, float]], set[str]]:
+    """(tree, none tok/s, pillar_recent tok/s) for every tree and session that ran both at W1's defaults, and the
+    devices those runs name."""
     runs: dict[tuple[str, str], dict[str, float]] = {}
+    devices = set()
     for line in path.read_text().splitlines():
         record = json.loads(line)
         w1 = record.get("requests") == 256 and record.get("max_new_tokens") == 8192 and not record.get("options")
         if w1 and record.get("tree") and record.get("setting") in ("none", "pillar_recent"):
             key = (record["tree"], str(record.get("session")))
             runs.setdefault(key, {})[record["setting"]] = record["tokens_per_s"]
-    return [(tree.split()[0], run["none"], run["pillar_recent"]) for (tree, _), run in runs.items() if len(run) == 2]
+            devices.add(record.get("device", "an unnamed GPU"))
+    pairs = [(tree.split()[0], run["none"], run["pillar_recent"]) for (tree, _), run in runs.items() if len(run) == 2]
+    return pairs, devices
 
 
-def plot(pairs: list[tuple[str, float, float]], out: Path) -> None:
+def plot(pairs: list[tuple[str, float, float]], devices: set[str], out: Path) -> None:
     trees = [tree for tree, _, _ in pairs]
     x = range(len(pairs))
     figure, (rates, ratios) = plt.subplots(2, 1, figsize=(max(8, 0.6 * len(pairs)), 6), sharex=True)
@@ -41,7 +45,7 @@ def plot(pairs: list[tuple[str, float, float]], out: Path) -> None:
     rates.bar([i + 0.2 for i in x], [p[2] / 1e3 for p in pairs], 0.4, label="pillar_recent (default)")
     rates.set_ylabel("K tok/s")
     rates.legend()
-    rates.set_title("W1 on one H200: SmolLM2 bf16, 256 prompts x 8,192 sampled tokens")
+    rates.set_title(f"W1 on one {' / '.join(sorted(devices))}: SmolLM2 bf16, 256 prompts x 8,192 sampled tokens")
     ratios.plot(list(x), [p[2] / p[1] for p in pairs], marker="o")
     ratios.axhline(1.0, color="grey", linewidth=0.8)
     ratios.axhline(2.0, color="red", linewidth=0.8, linestyle="--", label="issue 14's target")
@@ -55,8 +59,8 @@ def plot(pairs: list[tuple[str, float, float]], out: Path) -> None:
 def main() -> None:
     records = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "results" / "throughput_w1_h200.jsonl"
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT.parent / "docs" / "w1_h200.png"
-    pairs = w1_pairs(records)
-    plot(pairs, out)
+    pairs, devices = w1_pairs(records)
+    plot(pairs, devices, out)
     print(f"{len(pairs)} trees -> {out}")
 
 

@@ -13,7 +13,7 @@ import attention
 from torchspec.config import SpecConfig
 from torchspec.drafting import DraftPolicy, make_policy
 from torchspec.fused_layers import FusedLayers
-from torchspec.hf import routed_attention
+from torchspec.hf import model_dtype_forwards, replaced_forwards, routed_attention
 from torchspec.kv_cache import (
     KVPool,
     LayerSpec,
@@ -155,6 +155,7 @@ class Engine:
         if tensor_parallel is not None:  # every rank admits the same requests: the smallest pool serves all
             capacity = tensor_parallel.agree_min(capacity)
         self.pool = KVPool(layers, capacity, self.dtype, self.device, self._sketched)
+        self.model_dtype_forwards = model_dtype_forwards(model)  # installed for each run: no client's autocast
         self.fused_layers = FusedLayers(model, layers, ops) if config.fuse_layers is not False else None
         self.host_kv_capacity_tokens = 0  # the host tier's K/V rows (``offload``)
         self.restore_step_tokens: int | None = None  # K/V rows a step brings back from there, at most
@@ -305,7 +306,8 @@ class Engine:
         last_commit: float | None = None  # when the last step was read back and applied
         captures = self.runner.num_captures  # graph captures as of the last step applied
         try:
-            with routed_attention(self.model), self._fused_forwards(), _frozen_heap():
+            in_model_dtype = replaced_forwards(self.model_dtype_forwards)
+            with routed_attention(self.model), in_model_dtype, self._fused_forwards(), _frozen_heap():
                 while scheduler.has_work():
                     started = time.perf_counter()
                     plan = scheduler.schedule(in_flight.plan if in_flight is not None else None)

@@ -19,16 +19,22 @@ forward; if they differ, nothing is fused.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType, SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchspec.hf import _ProbeContext, forward_context, paged_attention_forward, routed_attention
+from torchspec.hf import (
+    _ProbeContext,
+    forward_context,
+    model_dtype_forwards,
+    paged_attention_forward,
+    replaced_forwards,
+    routed_attention,
+)
 from torchspec.kv_cache import LayerSpec
 
 Ops = ModuleType | SimpleNamespace
@@ -42,7 +48,6 @@ class FusedLayers:
 
     def __init__(self, model: nn.Module, layers: Sequence[LayerSpec], ops: Ops) -> None:
         self.ops = ops
-        self.device_type = next(model.parameters()).device.type
         self._layers = {spec.layer_idx: spec for spec in layers}
         self._cores: dict[nn.Module, Callable] = {}  # each module's weights are fused once, shared by its users
         self.forwards: dict[nn.Module, Callable] = {}
@@ -57,20 +62,9 @@ class FusedLayers:
         """How many modules of ``kind`` (``"decoder"``, ``"norm"``, ``"mlp"``, ``"attention"``) run fused."""
         return sum(forward.__name__ == f"fused_{kind}" for forward in self.forwards.values())
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self) -> contextlib.AbstractContextManager:
         """Run the fused forwards in place of the modules' own for the duration."""
-        own = {module: module.__dict__.get("forward") for module in self.forwards}
-        for module, forward in self.forwards.items():
-            module.forward = _without_autocast(forward, self.device_type)
-        try:
-            yield
-        finally:
-            for module, forward in own.items():
-                if forward is None:
-                    del module.forward
-                else:
-                    module.forward = forward
+        return replaced_forwards(self.forwards)
 
     def _fused_forward(self, module: nn.Module) -> Callable | None:
         if hasattr(module, "_hf_hook") or "forward" in module.__dict__:
@@ -204,7 +198,7 @@ class FusedLayers:
             with forward_context(_ProbeContext()):
                 return model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
 
-        with torch.inference_mode(), routed_attention(model):
+        with torch.inference_mode(), routed_attention(model), replaced_forwards(model_dtype_forwards(model)):
             own = logits()
             try:
                 with self.installed():
@@ -278,19 +272,6 @@ def _fusable(linears: list[nn.Linear]) -> bool:
         and len({(w.device, w.dtype, w.shape[1]) for w in weights}) == 1
         and len({linear.bias is None for linear in linears}) == 1
     )
-
-
-def _without_autocast(forward: Callable, device_type: str) -> Callable:
-    """``forward`` in the model's own dtype: the fused kernels take their inputs and weights in one dtype, and an
-    autocast a client enters inside the model's forward (TRL's trainer does, bf16 on a CPU) would hand them bf16
-    activations beside fp32 weights."""
-
-    @functools.wraps(forward)
-    def run(*args: object, **kwargs: object) -> object:
-        with torch.autocast(device_type, enabled=False):
-            return forward(*args, **kwargs)
-
-    return run
 
 
 def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

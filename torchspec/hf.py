@@ -9,6 +9,7 @@ Because the registered name has no mask function, transformers builds no attenti
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -276,6 +277,44 @@ def routed_attention(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = previous
+
+
+def model_dtype_forwards(model: torch.nn.Module) -> dict[torch.nn.Module, Callable]:
+    """Forwards for ``model``'s children (its base model and head) that run them without autocast: installed for an
+    engine run (``replaced_forwards``), the engine computes in the model's own dtype (its K/V pool's and its
+    kernels') whatever autocast a client has entered, around the call or inside the model's forward, where
+    accelerate's mixed precision puts one (TRL's trainer does, bf16 on a CPU, and leaves it on the model after
+    training); under one, transformers' layers would hand bf16 activations to an fp32 pool. The children are
+    wrapped, not the model, whose own ``forward`` may hold the autocast. Made once per engine, so that a compiled
+    model meets the same functions every run."""
+    device_type = next(model.parameters()).device.type
+    return {module: _without_autocast(module.forward, device_type) for _, module in model.named_children()}
+
+
+@contextlib.contextmanager
+def replaced_forwards(forwards: dict[torch.nn.Module, Callable]) -> Iterator[None]:
+    """Each module runs the forward given for it for the duration, then its own again (an instance attribute a
+    client set, such as an accelerate hook, is put back)."""
+    own = {module: module.__dict__.get("forward") for module in forwards}
+    for module, forward in forwards.items():
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, forward in own.items():
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+
+
+def _without_autocast(forward: Callable, device_type: str) -> Callable:
+    @functools.wraps(forward)
+    def run(*args: object, **kwargs: object) -> object:
+        with torch.autocast(device_type, enabled=False):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 class UnsupportedModelError(ValueError):

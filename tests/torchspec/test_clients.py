@@ -91,7 +91,8 @@ def test_trl_grpo_rollouts_run_on_the_engine_and_read_the_trained_weights(
     """One GRPO step (``use_vllm=False``) on a tiny random Llama with SmolLM2's tokenizer, its ``generate``
     replaced by the wrapper's (weights shared by reference, no sync): the rollouts come from the engine, the step
     changes the weights (the fused q/k/v and gate/up ones too), and the next rollout reads them (greedy: the
-    plain model's generate after the step)."""
+    plain model's generate after the step). The engine is built by the trainer's first rollout, under its mixed
+    precision's autocast (bf16 on a CPU), and computes in the model's dtype all the same (fused, fp32)."""
     pytest.importorskip("trl")
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -109,12 +110,12 @@ def test_trl_grpo_rollouts_run_on_the_engine_and_read_the_trained_weights(
         pad_token_id=tokenizer.pad_token_id,
     )
     policy = LlamaForCausalLM(config)
+    prompts = ["1, 2, 3,", "The sky is", "Hello", "2+2="]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    first = policy.generate(**batch, max_new_tokens=8, do_sample=False)  # the engine's first run is the trainer's
     wrapped = sparsespec.wrap(policy, tokenizer=tokenizer, max_batch_size=8)
     policy.generate = wrapped.generate
     before = {name: p.detach().clone() for name, p in policy.named_parameters()}
-    prompts = ["1, 2, 3,", "The sky is", "Hello", "2+2="]
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-    first = wrapped.generate(**batch, max_new_tokens=8, do_sample=False)
     args = GRPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -142,10 +143,12 @@ def test_trl_grpo_rollouts_run_on_the_engine_and_read_the_trained_weights(
     width = batch["input_ids"].shape[1]
     rollout = wrapped.generate(**batch, max_new_tokens=8, do_sample=False)
     assert not torch.equal(rollout, first), "the step should change the greedy rollout"
-    # Greedy under the stepped weights: each new token is the plain model's top logit (within a numerical tie).
+    # Greedy under the stepped weights: each new token is the plain model's top logit (within a numerical tie), the
+    # model in its own dtype (fp32): without the bf16 autocast accelerate's mixed precision leaves on its forward.
+    plain = trainer.accelerator.unwrap_model(policy, keep_fp32_wrapper=False)
     mask = torch.cat([batch["attention_mask"], torch.ones_like(rollout[:, width:])], dim=1)
     with torch.no_grad():
-        logits = policy(input_ids=rollout, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        logits = plain(input_ids=rollout, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
     logits = logits.logits[:, width - 1 : -1].float()
     for row, tokens in enumerate(rollout[:, width:].tolist()):
         length = tokens.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in tokens else len(tokens)

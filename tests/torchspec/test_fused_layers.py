@@ -3,6 +3,8 @@ whose modules only look like the Llama ones runs unfused."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -48,6 +50,28 @@ def test_the_model_outside_an_engine_run_is_unchanged():
         after = model(ids).logits
     assert not any("forward" in module.__dict__ for module in model.modules())
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("fuse_layers", [None, False])
+@pytest.mark.parametrize("autocast_at", ["around generate", "inside forward"])
+def test_a_clients_autocast_leaves_the_engine_in_the_models_dtype(autocast_at, fuse_layers):
+    """A client's bf16 autocast on a CPU, around ``generate`` or inside the model's forward (where accelerate's
+    mixed precision puts it, and leaves it after training): the engine, built under it, computes in the model's
+    dtype (fp32), fused or not, and gives the tokens it gives without one."""
+    spec = tiny_spec("llama")
+    options = {"draft": "pillar_recent", "k": 3, "min_budget": 4, "kv_capacity_tokens": 512, "fuse_layers": fuse_layers}
+    expected = sparsespec.wrap(spec.build(), **options).generate(**BATCH.kwargs(), max_new_tokens=NEW_TOKENS)
+    model = spec.build()
+    wrapped = sparsespec.wrap(model, **options)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    if autocast_at == "inside forward":
+        model.forward = autocast(model.forward)
+        autocast = contextlib.nullcontext()
+    with autocast:
+        actual = wrapped.generate(**BATCH.kwargs(), max_new_tokens=NEW_TOKENS)
+    assert torch.equal(actual, expected)
+    if fuse_layers is None:
+        assert _fused_counts(wrapped)["decoder"] == 2, "the probe should compare the layers in the model's dtype"
 
 
 class _OffsetRMSNorm(LlamaRMSNorm):
