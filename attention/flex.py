@@ -14,7 +14,7 @@ import functools
 from types import ModuleType, SimpleNamespace
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from attention.reference import OP_NAMES
 
@@ -125,10 +125,11 @@ def prefill_attention(
     values = v_cache[kv_indices].transpose(0, 1)[None]
     mask = _block_mask(cu_seqlens_q, kv_indptr, sliding_window, num_tokens, num_entries)
     attend = _compiled_flex() if query.is_cuda else flex_attention
-    out, lse = attend(
-        query.transpose(0, 1)[None], keys, values, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True
-    )
-    return out[0].transpose(0, 1).contiguous(), lse[0].transpose(0, 1).float().contiguous()
+    out, aux = attend(
+        query.transpose(0, 1)[None], keys, values, block_mask=mask, scale=scale, enable_gqa=True,
+        return_aux=AuxRequest(lse=True),
+    )  # fmt: skip
+    return out[0].transpose(0, 1).contiguous(), aux.lse[0].transpose(0, 1).float().contiguous()
 
 
 def with_flex_prefill(base: ModuleType) -> SimpleNamespace:
