@@ -7,6 +7,8 @@
 #               pillar_recent, then pillar_recent+offload; a W3 setting takes 2.5-3 minutes on an H200), each
 #               after a 20-second untimed run of every setting
 #   w3-natural  W3 with EOS respected (~45 s a setting on an H100, ~3.5 minutes the part)
+#   profile     GPU busy time per step in steady state and the kernels filling it (benchmarks/gpu_busy_profile.py):
+#               W1's pillar_recent rounds at steps 300, 700 and 1,000, its plain steps at 1,000, 4,000 and 7,000, ~4 min
 # Records land in OUT_DIR as JSON lines (written as each setting ends, so a part cut at its limit keeps the
 # settings it finished). Session 30's first W3-natural pair on a fresh H100, before the untimed runs, spent 23 s of
 # its offload run capturing graphs (3.5 s of it Triton compiles; the rest not explained) and measured 1.14x, the same
@@ -42,5 +44,9 @@ tests)
 w1) bash benchmarks/w1_warm.sh "$model" "$out/w1.jsonl" none pillar_recent ;;
 w3) w3 "$out/w3.jsonl" ;;
 w3-natural) w3 "$out/w3_natural.jsonl" --natural-lengths ;;
-*) echo "unknown part $part: tests, w1, w3 or w3-natural" >&2; exit 2 ;;
+profile)
+    python3 benchmarks/gpu_busy_profile.py "$model" 8192 pillar_recent 300,700,1000 8 > "$out/gpu_busy_profile.txt"
+    python3 benchmarks/gpu_busy_profile.py "$model" 8192 none 1000,4000,7000 8 >> "$out/gpu_busy_profile.txt"
+    ;;
+*) echo "unknown part $part: tests, w1, w3, w3-natural or profile" >&2; exit 2 ;;
 esac
