@@ -156,7 +156,8 @@ class Engine:
             capacity = tensor_parallel.agree_min(capacity)
         self.pool = KVPool(layers, capacity, self.dtype, self.device, self._sketched)
         self.model_dtype_forwards = model_dtype_forwards(model)  # installed for each run: no client's autocast
-        self.fused_layers = FusedLayers(model, layers, ops) if config.fuse_layers is not False else None
+        fused = config.fuse_layers is not False
+        self.fused_layers = FusedLayers(model, layers, ops, self.model_dtype_forwards) if fused else None
         self.host_kv_capacity_tokens = 0  # the host tier's K/V rows (``offload``)
         self.restore_step_tokens: int | None = None  # K/V rows a step brings back from there, at most
         if config.offload:

@@ -30,7 +30,6 @@ from torch import nn
 from torchspec.hf import (
     _ProbeContext,
     forward_context,
-    model_dtype_forwards,
     paged_attention_forward,
     replaced_forwards,
     routed_attention,
@@ -46,7 +45,11 @@ _ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm
 class FusedLayers:
     """The fused forwards of one model, installed on its modules for the duration of an engine run."""
 
-    def __init__(self, model: nn.Module, layers: Sequence[LayerSpec], ops: Ops) -> None:
+    def __init__(
+        self, model: nn.Module, layers: Sequence[LayerSpec], ops: Ops, model_dtype: dict[nn.Module, Callable]
+    ) -> None:
+        """``model_dtype``: the engine's forwards that keep the model out of a client's autocast
+        (``hf.model_dtype_forwards``), installed for the probe as for a run."""
         self.ops = ops
         self._layers = {spec.layer_idx: spec for spec in layers}
         self._cores: dict[nn.Module, Callable] = {}  # each module's weights are fused once, shared by its users
@@ -55,7 +58,7 @@ class FusedLayers:
             forward = self._fused_forward(module)
             if forward is not None:
                 self.forwards[module] = forward
-        if self.forwards and not self._matches_model(model):
+        if self.forwards and not self._matches_model(model, model_dtype):
             self.forwards = {}
 
     def count(self, kind: str) -> int:
@@ -187,7 +190,7 @@ class FusedLayers:
 
         return fused_decoder
 
-    def _matches_model(self, model: nn.Module) -> bool:
+    def _matches_model(self, model: nn.Module, model_dtype: dict[nn.Module, Callable]) -> bool:
         """Whether a probe forward gives the model's own logits with the fused forwards; warns if not."""
         parameter = next(model.parameters())
         vocab = model.get_input_embeddings().num_embeddings
@@ -198,7 +201,7 @@ class FusedLayers:
             with forward_context(_ProbeContext()):
                 return model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
 
-        with torch.inference_mode(), routed_attention(model), replaced_forwards(model_dtype_forwards(model)):
+        with torch.inference_mode(), routed_attention(model), replaced_forwards(model_dtype):
             own = logits()
             try:
                 with self.installed():
