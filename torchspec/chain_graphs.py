@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchspec.cuda_graphs import SharedStorage, StepGraphs, held_bucket
+from torchspec.cuda_graphs import GraphPool, SharedStorage, StepGraphs, held_bucket
 from torchspec.draft_lists import DraftChoice, RoundLists
 from torchspec.draft_probs import KeptDistributions
 from torchspec.draft_sampling import DraftSampling
@@ -103,7 +103,7 @@ class ChainGraphs:
         self.device = steps.device
         self.capture = steps.capture
         self.captures = steps.captures  # one log for both kinds of graph
-        self.memory = torch.cuda.graph_pool_handle() if self.capture else None  # every chain graph's pool
+        self.memory = GraphPool(self.device) if self.capture else None  # every chain graph's pool
         self._lists = SharedStorage(torch.int64, self.device, self.buckets[-1])  # every bucket's draft lists
         self.k = k
         self.generator = generator

@@ -147,7 +147,7 @@ class StepGraphs:
         self._logits: SharedStorage | None = None
         # One memory pool for every step graph's intermediates (they never replay at the same time and keep no
         # output in it), so the graphs together take what the largest one needs, not the sum of all.
-        self.memory = torch.cuda.graph_pool_handle() if self.capture else None
+        self.memory = GraphPool(device) if self.capture else None
         self.captures = CaptureLog()
 
     def eligible(self, metadata: AttentionMetadata, prefill: bool) -> bool:
@@ -381,10 +381,12 @@ class CaptureLog:
     seconds: float = 0.0
     events: list[tuple[str, float]] = field(default_factory=list)  # (what and why, seconds), in order
 
-    def capture(self, run: Callable[[], T], label: str, pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
-        """``capture_graph(run, pool)``, counted and logged under ``label`` (the graph and why it was made)."""
+    def capture(
+        self, run: Callable[[], T], label: str, pool: GraphPool | None = None
+    ) -> tuple[torch.cuda.CUDAGraph, T]:
+        """``capture_graph(run)`` into ``pool``, counted and logged under ``label`` (the graph and why it was made)."""
         start = time.perf_counter()
-        captured = capture_graph(run, pool)
+        captured = capture_graph(run, None if pool is None else pool.handle)
         seconds = time.perf_counter() - start
         self.count += 1
         self.seconds += seconds
@@ -400,6 +402,18 @@ class CaptureLog:
             entry[0] += 1
             entry[1] += seconds
         return totals
+
+
+class GraphPool:
+    """A memory pool shared by graphs that never replay at the same time, alive as long as this object is. A bare
+    ``torch.cuda.graph_pool_handle()`` lives only while some graph captured into it does: once re-capturing a bucket
+    had dropped the pool's only graphs, the next capture into it failed in PyTorch's allocator ("use_count > 0
+    INTERNAL ASSERT FAILED"; query_sketch's draft-chain graphs on an H100, where a growing draft choice re-captured
+    the one bucket of a warm-up). A graph of one small kernel, captured into the pool first, holds it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self._holder, _ = capture_graph(lambda: torch.zeros(1, device=device), self.handle)
 
 
 def capture_graph(run: Callable[[], T], pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:

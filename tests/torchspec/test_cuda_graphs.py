@@ -13,7 +13,7 @@ import torch
 import attention
 from tests.torchspec.conftest import Batch, tiny_spec
 from torchspec import sparsespec
-from torchspec.cuda_graphs import CaptureLog, bucket_sizes, held_bucket
+from torchspec.cuda_graphs import CaptureLog, GraphPool, bucket_sizes, capture_graph, held_bucket
 from torchspec.engine import use_cuda_graphs
 from torchspec.request import SamplingParams
 
@@ -204,6 +204,22 @@ def test_a_chain_graph_capture_leaves_the_round_as_it_found_it(monkeypatch, samp
     samplers = [sampler for step in chain_graphs._steps.values() for sampler in step.samplers.values()]
     assert samplers and all(sampler.graph is not None for sampler in samplers)
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_graph_pool_outlives_the_graphs_captured_into_it():
+    """Graphs sharing a pool may all be dropped (a bucket re-captured) while tensors they made stay in it: the next
+    capture into the pool works. With a bare ``torch.cuda.graph_pool_handle()`` the second capture raised
+    "use_count > 0 INTERNAL ASSERT FAILED" (query_sketch on an H100)."""
+    device = torch.device("cuda")
+    pool, counter, outputs = GraphPool(device), torch.zeros(1, device=device), []
+    for _ in range(2):
+        graph, output = capture_graph(lambda: counter.add_(1) * 2, pool.handle)  # its output is the pool's
+        graph.replay()
+        outputs.append(output)
+        del graph
+    torch.cuda.synchronize()
+    assert counter.item() == 4 and outputs[-1].item() == 8  # each capture's warm-up run, then its replay
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
