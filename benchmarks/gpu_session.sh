@@ -9,6 +9,8 @@
 #   w3-natural  W3 with EOS respected (~45 s a setting on an H100, ~3.5 minutes the part)
 #   profile     GPU busy time per step in steady state and the kernels filling it (benchmarks/gpu_busy_profile.py):
 #               W1's pillar_recent rounds at steps 300, 700 and 1,000, its plain steps at 1,000, 4,000 and 7,000, ~4 min
+#   sketch      issue 19: query_sketch against pillar_recent at 2,048 new tokens, where a query_sketch step's GPU time
+#               goes and its host's (whose 64-token warm-up crashed in PyTorch's allocator before cuda_graphs.GraphPool)
 # Records land in OUT_DIR as JSON lines (written as each setting ends, so a part cut at its limit keeps the
 # settings it finished). Session 30's first W3-natural pair on a fresh H100, before the untimed runs, spent 23 s of
 # its offload run capturing graphs (3.5 s of it Triton compiles; the rest not explained) and measured 1.14x, the same
@@ -48,5 +50,11 @@ profile)
     python3 benchmarks/gpu_busy_profile.py "$model" 8192 pillar_recent 300,700,1000 8 > "$out/gpu_busy_profile.txt"
     python3 benchmarks/gpu_busy_profile.py "$model" 8192 none 1000,4000,7000 8 >> "$out/gpu_busy_profile.txt"
     ;;
-*) echo "unknown part $part: tests, w1, w3, w3-natural or profile" >&2; exit 2 ;;
+sketch)
+    python3 -m torchspec.bench.throughput --model "$model" --prompts 256 --max-new-tokens 2048 --temperature 0.65 \
+        --drafts pillar_recent query_sketch --out "$out/query_sketch_2048.jsonl"
+    python3 benchmarks/gpu_busy_profile.py "$model" 2048 query_sketch 60,150 4 > "$out/gpu_busy_profile_query_sketch.txt"
+    python3 -m benchmarks.host_cprofile "$model" 2048 query_sketch 60 6 > "$out/host_cprofile_query_sketch.txt"
+    ;;
+*) echo "unknown part $part: tests, w1, w3, w3-natural, profile or sketch" >&2; exit 2 ;;
 esac
