@@ -8,7 +8,8 @@
 #               after a 20-second untimed run of every setting
 #   w3-natural  W3 with EOS respected (~45 s a setting on an H100, ~3.5 minutes the part)
 #   profile     GPU busy time per step in steady state and the kernels filling it (benchmarks/gpu_busy_profile.py):
-#               W1's pillar_recent rounds at steps 300, 700 and 1,000, its plain steps at 1,000, 4,000 and 7,000, ~4 min
+#               W1's pillar_recent rounds at steps 300, 700 and 1,000, its plain steps at 1,000, 4,000 and 7,000, ~4 min;
+#               after the w1 part, also the wall time of its plain decoding above the GPU's work (benchmarks/host_paced.py)
 #   sketch      issue 19: query_sketch against pillar_recent at 2,048 new tokens, where a query_sketch step's GPU time
 #               goes and its host's (whose 64-token warm-up crashed in PyTorch's allocator before cuda_graphs.GraphPool)
 # Records land in OUT_DIR as JSON lines (written as each setting ends, so a part cut at its limit keeps the
@@ -49,6 +50,9 @@ w3-natural) w3 "$out/w3_natural.jsonl" --natural-lengths ;;
 profile)
     python3 benchmarks/gpu_busy_profile.py "$model" 8192 pillar_recent 300,700,1000 8 > "$out/gpu_busy_profile.txt"
     python3 benchmarks/gpu_busy_profile.py "$model" 8192 none 1000,4000,7000 8 >> "$out/gpu_busy_profile.txt"
+    if [ -f "$out/w1.jsonl" ]; then  # the w1 part ran first: how much of its plain decoding the host paced
+        python3 -m benchmarks.host_paced "$out/w1.jsonl" none "$out/gpu_busy_profile.txt" > "$out/host_paced_none.txt"
+    fi
     ;;
 sketch)
     python3 -m torchspec.bench.throughput --model "$model" --prompts 256 --max-new-tokens 2048 --temperature 0.65 \

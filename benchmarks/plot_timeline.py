@@ -1,6 +1,7 @@
-"""Throughput runs over their time: requests per step, wall time per step, K/V tokens held on the device and in
-the host tier, and tokens moved to the host and back, from the records' ``timeline`` (where an ``offload`` run's
-batch grows, shrinks or waits on memory, issue 15; where a W1 step's time goes as its contexts grow, issue 14).
+"""Throughput runs over their time: requests per step, wall time per step and the host's in each phase of the
+engine's steps (where the records trace it), K/V tokens held on the device and in the host tier, and tokens moved
+to the host and back, from the records' ``timeline`` (where an ``offload`` run's batch grows, shrinks or waits on
+memory, issue 15; where a W1 step's time goes as its contexts grow, and when the host sets its pace, issue 14).
 
     python -m benchmarks.plot_timeline RECORDS.jsonl OUT.png [SETTING ...]
 
@@ -18,7 +19,10 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from torchspec.bench.records import record_setting
-from torchspec.bench.throughput import TRACE_POINTS, trace_steps
+from torchspec.bench.throughput import HOST_TRACE_FIELDS, TRACE_POINTS, trace_steps
+from torchspec.engine import HOST_PHASES
+
+HOST_STYLES = ("--", "-.", ":", (0, (1, 4)))  # one line style per host phase (schedule, launch, read-back, commit)
 
 
 def timelines(path: Path, settings: list[str]) -> list[tuple[str, dict[str, list]]]:
@@ -29,19 +33,22 @@ def timelines(path: Path, settings: list[str]) -> list[tuple[str, dict[str, list
         record = json.loads(line)
         setting = record_setting(record)
         if record.get("timeline") and (not settings or setting in settings):
-            timeline = record["timeline"] | {"ms_per_step": step_times(record["timeline"]["seconds"], record["steps"])}
+            timeline = record["timeline"] | {
+                "ms_per_step": step_times(record["timeline"]["seconds"], record["steps"]),
+                "steps": record["steps"],
+            }
             found.append((f"{setting} ({record['tokens_per_s']:,.0f} tok/s)", timeline))
     return found
 
 
-def step_times(seconds: list[float], steps: int) -> list[float | None]:
-    """Wall milliseconds per step from each trace point to the next (None at the last), the trace keeping the
-    steps ``trace_steps`` names."""
+def step_times(seconds: list[float], steps: int, scale: float = 1e3) -> list[float | None]:
+    """Per step from each trace point to the next (None at the last), the trace keeping the steps ``trace_steps``
+    names: how much a cumulative trace field (``seconds``, times ``scale``: wall milliseconds) grew a step."""
     indices = trace_steps(steps, TRACE_POINTS)
     if len(indices) != len(seconds):
         raise ValueError(f"a trace of {len(seconds)} points does not sample {steps} steps as sampled_trace does")
     times = zip(itertools.pairwise(seconds), itertools.pairwise(indices), strict=True)
-    return [1e3 * (end - start) / (last - first) for (start, end), (first, last) in times] + [None]
+    return [scale * (end - start) / (last - first) for (start, end), (first, last) in times] + [None]
 
 
 def plot(runs: list[tuple[str, dict[str, list]]], out: Path) -> None:
@@ -53,6 +60,10 @@ def plot(runs: list[tuple[str, dict[str, list]]], out: Path) -> None:
         seconds = line["seconds"]
         requests.plot(seconds, line["requests"], color=colour, label=label)
         step_ms.plot(seconds[:-1], line["ms_per_step"][:-1], color=colour, label=label)
+        for phase, field, style in zip(HOST_PHASES, HOST_TRACE_FIELDS, HOST_STYLES, strict=True):
+            if field in line:  # records from before the host's phases were traced have none
+                per_step = step_times(line[field], line["steps"], scale=1.0)[:-1]
+                step_ms.plot(seconds[:-1], per_step, color=colour, linestyle=style, lw=0.8, label=f"host {phase}")
         held.plot(seconds, [n / 1e6 for n in line["pool_tokens"]], color=colour, label=f"{label}: device pool")
         if any(line["host_tokens"]):
             held.plot(seconds, [n / 1e6 for n in line["host_tokens"]], color=colour, linestyle="--", label="host tier")

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 import torch
 from PIL import Image
 
-from benchmarks import decode_step, drain_report, host_step, plot_timeline, step_profile
+from benchmarks import decode_step, drain_report, host_paced, host_step, plot_timeline, step_profile
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
 from torchspec.bench import gpu_time
 from torchspec.bench.records import parse_setting
-from torchspec.bench.throughput import REQUEST_FIELDS, TRACE_FIELDS, StepTimeline, device_memory_gib, main, measure
+from torchspec.bench.throughput import (
+    HOST_TRACE_FIELDS,
+    REQUEST_FIELDS,
+    TRACE_FIELDS,
+    StepTimeline,
+    device_memory_gib,
+    main,
+    measure,
+    trace_steps,
+)
 from torchspec.engine import HOST_PHASES
 from torchspec.kv_cache import bytes_per_token
 from torchspec.workloads import read_prompts
@@ -236,6 +246,39 @@ def test_device_memory_is_read_as_a_pool_would_find_it(monkeypatch):
     assert device_memory_gib(torch.device("cpu")) is None
 
 
+def test_host_paced_sets_a_runs_wall_time_against_its_gpu_work(tmp_path, capsys):
+    """``benchmarks/host_paced.py``: a run of 3,000 steps taking 5 ms a step, then 6 from step 1,000 on, against a
+    GPU profiled busy 2 ms a step at step 500 and 6 at step 2,500 (so 2 + (step - 500) / 500 ms anywhere; the same
+    report's windows of another draft left out): the GPU's
+    work by ranges of steps, the wall time above it, and what the run would make at its GPU's pace."""
+    steps = 3000
+    wall = [0.1]  # the first step ends 0.1 s in
+    indices = trace_steps(steps)
+    for first, last in itertools.pairwise(indices):
+        wall.append(wall[-1] + sum(5e-3 if step < 1000 else 6e-3 for step in range(first, last)))
+    record = {"setting": "none", "steps": steps, "generated_tokens": 256 * steps, "tokens_per_s": 1.0}
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps(record | {"timeline": {"seconds": wall}}) + "\n")
+    profile = tmp_path / "profile.txt"
+    profile.write_text(
+        "== none {} window at step 2500: batch 256\nWINDOW steps=8 gpu_busy_ms_per_step=6.00 x=1\n"
+        "== none {} window at step 500: batch 256\nWINDOW steps=8 gpu_busy_ms_per_step=2.00 x=1\n"
+        "== pillar_recent {} window at step 1500: batch 256\nWINDOW steps=8 gpu_busy_ms_per_step=30.00 x=1\n"
+    )
+    host_paced.main([str(records), "none", str(profile)])
+    lines = capsys.readouterr().out.splitlines()
+    # GPU: steps 0-999 sum 2 + (s - 500) / 500 ms = 1.999 s, 1000-1999 3.999, 2000-2998 (the trace ends there) 5.992
+    assert lines[:3] == [
+        "steps 0-999: wall 5.0 s, GPU 2.0 s",
+        "steps 1000-1999: wall 6.0 s, GPU 4.0 s",
+        "steps 2000-2999: wall 6.0 s, GPU 6.0 s",
+    ]
+    assert lines[3] == "all: wall 17.0 s, GPU 12.0 s; wall above the GPU's work 5.0 s"
+    assert lines[4] == f"if GPU-bound: {256 * steps / (0.1 + 11.990):,.0f} tok/s (the run: 1)"
+    with pytest.raises(SystemExit, match="no record of pillar_recent"):
+        host_paced.main([str(records), "pillar_recent", str(profile)])
+
+
 def test_the_drain_report_splits_a_run_by_its_running_batch(tmp_path, capsys):
     """``benchmarks/drain_report.py``: a row per batch-size bucket of the record's ``steps_by_batch`` (its span,
     steps, seconds, ms a step, share of the run), the seconds after the full batch, and the run's time if every
@@ -275,7 +318,8 @@ def test_the_drain_report_splits_a_run_by_its_running_batch(tmp_path, capsys):
 def test_the_record_traces_the_batch_and_both_kv_tiers_over_the_run(tmp_path, monkeypatch):
     """An offload run whose pool holds fewer tokens than its requests reach: the record's timeline shows each
     step's requests (never above the batch), the device pool's use (never above its size), the host tier holding
-    tokens at some point, and tokens moved out and back (cumulative: never falling, all back by the end);
+    tokens at some point, tokens moved out and back (cumulative: never falling, all back by the end) and the host's
+    milliseconds in each phase of the engine's steps (never falling, within the record's totals);
     ``benchmarks/plot_timeline.py`` draws it. Spaced out to at most the points asked, the trace keeps its ends, and
     the plot's wall time per step between two of its points is that of the steps between them."""
     model = tiny_spec("llama", 2).build()
@@ -288,6 +332,9 @@ def test_the_record_traces_the_batch_and_both_kv_tiers_over_the_run(tmp_path, mo
     assert max(line["host_tokens"]) > 0 and line["host_tokens"][-1] == 0
     for moved in ("offloaded_tokens", "restored_tokens"):
         assert line[moved] == sorted(line[moved]) and line[moved][-1] == record["offload"][moved] > 0
+    for phase, field in zip(HOST_PHASES, HOST_TRACE_FIELDS, strict=True):  # the host's ms so far in each phase
+        total = record["host_ms_per_step"][phase] * record["steps"]
+        assert line[field] == sorted(line[field]) and 0 < line[field][-1] <= total + 1e-6, (phase, line[field][-1])
     overlap = record["copy_overlap"]  # steps that copied against like steps that did not
     assert overlap["steps_with_copies"] > 0 and overlap["steps_without"] > 0 and overlap["requests"] <= 4
     assert overlap["ms_with_copies"] > 0 and overlap["ms_without"] > 0

@@ -40,7 +40,7 @@ from torchspec.bench.records import (
     parse_setting,
 )
 from torchspec.causal_lm import RequestOutput
-from torchspec.engine import Engine
+from torchspec.engine import HOST_PHASES, Engine
 from torchspec.kv_cache import reclaim_device_memory
 from torchspec.kv_offload import OffloadStats
 from torchspec.models import load_model
@@ -85,8 +85,12 @@ def time_per_output_token_ms(requests: Iterable[tuple[float, int]]) -> float:
 
 
 #: A run's trace (``StepTimeline``), per step applied: seconds into the run, requests in the step, K/V tokens held
-#: in the device pool and in the host tier, tokens moved to the host and back so far.
-TRACE_FIELDS = ("seconds", "requests", "pool_tokens", "host_tokens", "offloaded_tokens", "restored_tokens")
+#: in the device pool and in the host tier, tokens moved to the host and back so far, and the host's milliseconds
+#: so far in each phase of the engine's steps (``HOST_TRACE_FIELDS``: where a host-paced step's time goes).
+HOST_TRACE_FIELDS = tuple(f"host_{phase.replace('-', '_')}_ms" for phase in HOST_PHASES)
+TRACE_FIELDS = (
+    "seconds", "requests", "pool_tokens", "host_tokens", "offloaded_tokens", "restored_tokens", *HOST_TRACE_FIELDS
+)  # fmt: skip
 TRACE_POINTS = 400  # steps a record's trace keeps at most
 
 
@@ -126,7 +130,7 @@ class StepTimeline:
     def __init__(self, engine: Engine, time_limit_s: float | None = None) -> None:
         self.steps: list[tuple[int, float, int]] = []
         self.peak_pool_tokens = 0
-        self.trace: list[tuple[float, int, int, int, int, int]] = []  # see ``TRACE_FIELDS``
+        self.trace: list[tuple] = []  # see ``TRACE_FIELDS``
         self._engine = engine
         self._last = 0.0  # when the last step recorded was applied
         self.time_limit_s = time_limit_s
@@ -144,7 +148,7 @@ class StepTimeline:
         host_tokens = moved.offloaded_tokens - moved.restored_tokens
         self.trace.append(
             (now - engine.run_start, len(plan.scheduled), pool_tokens, host_tokens, moved.offloaded_tokens,
-             moved.restored_tokens)
+             moved.restored_tokens, *(engine.host_ms[phase] for phase in HOST_PHASES))
         )  # fmt: skip
         self._last = now
         if self.time_limit_s is not None:
