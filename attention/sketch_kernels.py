@@ -1,7 +1,7 @@
 """Triton kernels of the int4 key sketch (``attention.reference.SKETCH_LEVELS``): written beside the K/V as keys
 are stored, and read by a query-aware draft that scores every cached key of a request for one query (the mass a
 GQA group would give each, ``sketch_mass``: logits, softmax and group mean in one kernel over chunks of a row run
-in parallel, launched twice: per-chunk maxima and normalisers are all it stores between, never the logits).
+in parallel, launched twice: the first stores the logits and per-chunk maxima and normalisers, the second the mass).
 
 Scoring reads 36 bytes a key and KV head (32 of codes, a 4-byte scale) where the keys themselves take 128 at
 head_dim 64: a draft that chooses its positions from its own query reads this, not K.
@@ -74,8 +74,8 @@ def _block_logits(
 ):  # fmt: skip
     """The group's scaled logits (base 2) against the sketched keys of ``BLOCK_S`` candidates of a row from
     ``start`` (-inf at padding), even and odd channels as two dots (codes unpacked, never dequantised) times each
-    key's scale; and those candidates' slots (-1: padding). Candidates: positions 0 .. ``prefix`` - 1, then the
-    listed positions of its slot-table row from ``listed_from`` on, ``total`` in all, at their slots in that row."""
+    key's scale. Candidates: positions 0 .. ``prefix`` - 1, then the listed positions of its slot-table row from
+    ``listed_from`` on, ``total`` in all, at their slots in that row."""
     entries = start + tl.arange(0, BLOCK_S)
     heads = tl.arange(0, BLOCK_G)
     pairs = tl.arange(0, BLOCK_HALF)
@@ -100,7 +100,7 @@ def _block_logits(
     dots = tl.dot(q_even, tl.trans(((packed & 15) - 8).to(tl.float32)), input_precision=DOT_PRECISION)
     dots += tl.dot(q_odd, tl.trans(((packed >> 4) - 8).to(tl.float32)), input_precision=DOT_PRECISION)
     key_scale = tl.load(Scales + at * stride_ss + head * stride_sh, mask=valid, other=0.0)
-    return tl.where(valid[None, :], dots * (key_scale * scale_log2)[None, :], float("-inf")), slots
+    return tl.where(valid[None, :], dots * (key_scale * scale_log2)[None, :], float("-inf"))
 
 
 # Widths that grow over a generation (the slot table's, a shortlist's, a step's candidates): one variant of a kernel.
@@ -124,17 +124,19 @@ _PER_REQUEST = ["Rows", "Prefix", "ListedLengths", "Skip", "Sinks", "RecentStart
 
 @triton.jit(do_not_specialize=_MASS_WIDTHS, do_not_specialize_on_alignment=_PER_REQUEST[:4])
 def _sketch_mass_kernel(
-    Q, Codes, Scales, Table, Rows, Prefix, Listed, ListedLengths, Skip, Stats, Out, stride_qn, stride_qh, stride_qg,
-    stride_cs, stride_ch, stride_ss, stride_sh, stride_tr, stride_lr, stride_lh, stride_on, stride_oh, num_kv_heads,
-    group, listed_width, width, chunks, scale_log2,
+    Q, Codes, Scales, Table, Rows, Prefix, Listed, ListedLengths, Skip, Stats, Logits, Out, stride_qn, stride_qh,
+    stride_qg, stride_cs, stride_ch, stride_ss, stride_sh, stride_tr, stride_lr, stride_lh, stride_on, stride_oh,
+    num_kv_heads, group, listed_width, width, chunks, scale_log2,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, WRITE_MASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One chunk of ``CHUNK`` candidates of a (request, KV head) row, in one of two launches. The first
-    (``WRITE_MASS`` off) writes each query head's running maximum and normaliser over the chunk to ``Stats``; the
-    second merges its row's chunks into the row's normalisers and writes each candidate's mass averaged over the
-    group (the logits computed again: the sketch is small, and they are never stored). A row's chunks run in
-    parallel, so a long row costs what a short one does. Entries past the row's candidates are not written."""
+    (``WRITE_MASS`` off) writes the group's logits to ``Logits`` and each query head's running maximum and
+    normaliser over the chunk to ``Stats``; the second merges its row's chunks into the row's normalisers and writes
+    each candidate's mass averaged over the group from the stored logits (12 bytes a candidate for a group of 3,
+    where computing them again read its list entry, slot, codes and scale: 1.4x faster on an H100 and an H200). A
+    row's chunks run in parallel, so a long row costs what a short one does. Entries past the row's candidates are
+    not written."""
     row = tl.program_id(0)
     request = row // num_kv_heads
     head = row % num_kv_heads
@@ -143,20 +145,24 @@ def _sketch_mass_kernel(
     total = tl.minimum(prefix + listed_length, width)  # never past the row
     first = tl.program_id(1) * CHUNK
     last = tl.minimum(first + CHUNK, total)
-    table_row = tl.load(Rows + request).to(tl.int64)
-    args = (Q, Codes, Scales, Table, Listed, request, head, table_row, prefix, total, listed_width - listed_length)
-    strides = (
-        stride_qn, stride_qh, stride_qg, stride_cs, stride_ch, stride_ss, stride_sh, stride_tr, stride_lr, stride_lh
-    )  # fmt: skip
     heads = tl.arange(0, BLOCK_G)
+    in_group = (heads < group)[:, None]
     stats_row = Stats + row.to(tl.int64) * chunks * 2 * BLOCK_G
+    logits_row = Logits + row.to(tl.int64) * group * width + heads[:, None] * width  # [group, width] a row
     if not WRITE_MASS:
+        table_row = tl.load(Rows + request).to(tl.int64)
+        args = (Q, Codes, Scales, Table, Listed, request, head, table_row, prefix, total, listed_width - listed_length)
+        strides = (
+            stride_qn, stride_qh, stride_qg, stride_cs, stride_ch, stride_ss, stride_sh, stride_tr, stride_lr, stride_lh
+        )  # fmt: skip
         highest = tl.full((BLOCK_G,), -1.0e30, tl.float32)  # finite: a chunk of padding only stays NaN-free
         sums = tl.zeros((BLOCK_G,), tl.float32)
         for start in range(first, last, BLOCK_S):
-            logits, _ = _block_logits(
+            logits = _block_logits(
                 *args, start, scale_log2, *strides, group, HALF, BLOCK_HALF, BLOCK_G, BLOCK_S, DOT_PRECISION
             )
+            entries = start + tl.arange(0, BLOCK_S)
+            tl.store(logits_row + entries[None, :], logits, mask=in_group & (entries < last)[None, :])
             new_highest = tl.maximum(highest, tl.max(logits, axis=1))
             sums = sums * tl.exp2(highest - new_highest) + tl.sum(tl.exp2(logits - new_highest[:, None]), axis=1)
             highest = new_highest
@@ -180,12 +186,11 @@ def _sketch_mass_kernel(
         weight = tl.where((heads < group) & (sums > 0), 1.0 / (tl.maximum(sums, 1e-30) * group), 0.0)
         skip = tl.load(Skip + request)
         for start in range(first, last, BLOCK_S):
-            logits, slots = _block_logits(
-                *args, start, scale_log2, *strides, group, HALF, BLOCK_HALF, BLOCK_G, BLOCK_S, DOT_PRECISION
-            )
-            mass = tl.sum(tl.exp2(logits - highest[:, None]) * weight[:, None], axis=0)
             entries = start + tl.arange(0, BLOCK_S)
-            never = (slots < 0) | (entries < skip)
+            inside = (entries < last)[None, :]
+            logits = tl.load(logits_row + entries[None, :], mask=in_group & inside, other=float("-inf"))
+            mass = tl.sum(tl.exp2(logits - highest[:, None]) * weight[:, None], axis=0)
+            never = (tl.max(logits, axis=0) == float("-inf")) | (entries < skip)  # padding: no slot, no logit
             tl.store(
                 Out + request * stride_on + head * stride_oh + entries, tl.where(never, -1.0, mass),
                 mask=entries < last,
@@ -208,12 +213,13 @@ def sketch_mass(
     chunks = triton.cdiv(width, MASS_CHUNK)
     block_g = max(MIN_DOT, triton.next_power_of_2(group))
     stats = torch.empty(num * num_kv_heads, chunks, 2, block_g, dtype=torch.float32, device=query.device)
+    logits = torch.empty(num * num_kv_heads, group, width, dtype=torch.float32, device=query.device)
     for write_mass in (False, True):
         _sketch_mass_kernel[(num * num_kv_heads, chunks)](
-            query, codes, scales, table, rows, prefix, listed, listed_lengths, skip, stats, out, query.stride(0),
-            query.stride(1), query.stride(2), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
-            table.stride(0), listed.stride(0), listed.stride(1), out.stride(0), out.stride(1), num_kv_heads, group,
-            listed.shape[-1], width, chunks, scale * LOG2E, HALF=half,
+            query, codes, scales, table, rows, prefix, listed, listed_lengths, skip, stats, logits, out,
+            query.stride(0), query.stride(1), query.stride(2), codes.stride(0), codes.stride(1), scales.stride(0),
+            scales.stride(1), table.stride(0), listed.stride(0), listed.stride(1), out.stride(0), out.stride(1),
+            num_kv_heads, group, listed.shape[-1], width, chunks, scale * LOG2E, HALF=half,
             BLOCK_HALF=max(MIN_DOT, triton.next_power_of_2(half)), BLOCK_G=block_g, BLOCK_S=BLOCK_S,
             CHUNK=MASS_CHUNK, BLOCK_C=MASS_CHUNKS_MERGED, WRITE_MASS=write_mass,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",

@@ -11,7 +11,7 @@
 #               W1's pillar_recent rounds at steps 300, 700 and 1,000, its plain steps at 1,000, 4,000 and 7,000, ~4 min;
 #               after the w1 part, also the wall time of its plain decoding above the GPU's work (benchmarks/host_paced.py)
 #   sketch      issue 19: query_sketch against pillar_recent at 2,048 new tokens, where a query_sketch step's GPU time
-#               goes and its host's (whose 64-token warm-up crashed in PyTorch's allocator before cuda_graphs.GraphPool)
+#               goes and its host's, and one layer's choice at W1's shapes (benchmarks/sketch_choice_micro.py), ~4 min
 # Records land in OUT_DIR as JSON lines (written as each setting ends, so a part cut at its limit keeps the
 # settings it finished). Session 30's first W3-natural pair on a fresh H100, before the untimed runs, spent 23 s of
 # its offload run capturing graphs (3.5 s of it Triton compiles; the rest not explained) and measured 1.14x, the same
@@ -22,6 +22,7 @@ shift 3
 settings=("$@")
 [ ${#settings[@]} -gt 0 ] || settings=(pillar_recent pillar_recent+offload)
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: the sketch part runs a script from benchmarks/
 w3() {  # w3 RECORDS.jsonl [ARGS...]; one process per setting: a W3 run leaves ~36 GB on the device that the next one's automatic pool would miss
     # Each setting first runs the same workload untimed for 20 s: it compiles the kernel variants its admission pattern
     # needs (session 40: W3-natural without offload, after warm-ups at 1,024 new tokens, still compiled 6 s of
@@ -59,6 +60,7 @@ sketch)
         --drafts pillar_recent query_sketch --out "$out/query_sketch_2048.jsonl"
     python3 benchmarks/gpu_busy_profile.py "$model" 2048 query_sketch 60,150 4 > "$out/gpu_busy_profile_query_sketch.txt"
     python3 -m benchmarks.host_cprofile "$model" 2048 query_sketch 60 6 > "$out/host_cprofile_query_sketch.txt"
+    (cd benchmarks && python3 sketch_choice_micro.py > "$out/sketch_choice_micro.jsonl")
     ;;
 *) echo "unknown part $part: tests, w1, w3, w3-natural, profile or sketch" >&2; exit 2 ;;
 esac
