@@ -3,11 +3,11 @@
     python -m benchmarks.host_paced RECORDS.jsonl SETTING PROFILE.txt
 
 Reads the last record of ``SETTING`` (its ``timeline``: wall time per step over the run) and a GPU busy profile of
-the same workload (``benchmarks/gpu_busy_profile.py``: the GPU's busy ms per step at a few steps; its windows of the
-setting's draft, whatever their options), fits the GPU's
-busy time per step as piecewise linear in the step (extended linearly past the profiled steps: a plain step's work
-grows with its context, one token a step), and prints, by ranges of steps, the wall seconds against the GPU's;
-then the tokens per second the run would make if every step took its GPU work alone.
+the same workload (``benchmarks/gpu_busy_profile.py``: the GPU's busy ms per step at a few steps; the windows of the
+setting's draft, whatever their options), fits the GPU's busy time per step as piecewise linear in the step
+(extended linearly past the profiled steps: a plain step's work grows with its context, one token a step), and
+prints, by ranges of steps, the wall seconds against the GPU's; then the tokens per second the run would make if
+every step took its GPU work alone.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def busy_ms(points: list[tuple[int, float]], step: int) -> float:
     """The GPU's busy ms at ``step``: linear between the profiled steps around it, or through the nearest two."""
     if len(points) < 2:
         raise ValueError("a fit needs at least two profiled steps")
-    right = min(max(1, next((i for i, (at, _) in enumerate(points) if at >= step), len(points) - 1)), len(points) - 1)
+    right = next((i for i, (at, _) in enumerate(points) if i and at >= step), len(points) - 1)
     (x0, y0), (x1, y1) = points[right - 1], points[right]
     return y0 + (y1 - y0) * (step - x0) / (x1 - x0)
 

@@ -122,8 +122,9 @@ class TimeLimitReached(Exception):
 class StepTimeline:
     """Each engine step of a run: how many requests it held, its wall time, and its rounds' draft count (0: a
     plain step); the most KV pool slots held after a step; and a trace over the run's time of the requests in each
-    step, the K/V tokens held on the device and in the host tier (``offload``), and the tokens moved out and back
-    so far: where a run's batch shrinks or waits on memory. Attached to an engine (one of its ``observers``), it
+    step, the K/V tokens held on the device and in the host tier (``offload``), the tokens moved out and back so far
+    and the host's time so far in each phase of the steps: where a run's batch shrinks or waits on memory, and where
+    the host sets its pace. Attached to an engine (one of its ``observers``), it
     records every step the engine applies from then on. With ``time_limit_s``, it stops the run once that much
     time has passed (``TimeLimitReached``), keeping every request it saw for the record of what was made."""
 
