@@ -10,6 +10,9 @@
 #   profile     GPU busy time per step in steady state and the kernels filling it (benchmarks/gpu_busy_profile.py):
 #               W1's pillar_recent rounds at steps 300, 700 and 1,000, its plain steps at 1,000, 4,000 and 7,000, ~4 min;
 #               after the w1 part, also the wall time of its plain decoding above the GPU's work (benchmarks/host_paced.py)
+#   paced       issue 14: W1's plain decoding alone (its trace keeps the host's time in each step phase), its GPU busy
+#               time at steps 1,000, 4,000 and 7,000, and how much of its wall time is above the GPU's work
+#               (benchmarks/host_paced.py), ~4 min on an H200
 #   sketch      issue 19: query_sketch against pillar_recent at 2,048 new tokens, where a query_sketch step's GPU time
 #               goes and its host's, and one layer's choice at W1's shapes (benchmarks/sketch_choice_micro.py), ~4 min
 # Records land in OUT_DIR as JSON lines (written as each setting ends, so a part cut at its limit keeps the
@@ -55,6 +58,12 @@ profile)
         python3 -m benchmarks.host_paced "$out/w1.jsonl" none "$out/gpu_busy_profile.txt" > "$out/host_paced_none.txt"
     fi
     ;;
+paced)
+    python3 -m torchspec.bench.throughput --model "$model" --prompts 256 --max-new-tokens 8192 --temperature 0.65 \
+        --drafts none --out "$out/w1_none.jsonl"
+    python3 benchmarks/gpu_busy_profile.py "$model" 8192 none 1000,4000,7000 8 > "$out/gpu_busy_profile_none.txt"
+    python3 -m benchmarks.host_paced "$out/w1_none.jsonl" none "$out/gpu_busy_profile_none.txt" > "$out/host_paced_none.txt"
+    ;;
 sketch)
     python3 -m torchspec.bench.throughput --model "$model" --prompts 256 --max-new-tokens 2048 --temperature 0.65 \
         --drafts pillar_recent query_sketch --out "$out/query_sketch_2048.jsonl"
@@ -62,5 +71,5 @@ sketch)
     python3 -m benchmarks.host_cprofile "$model" 2048 query_sketch 60 6 > "$out/host_cprofile_query_sketch.txt"
     (cd benchmarks && python3 sketch_choice_micro.py > "$out/sketch_choice_micro.jsonl")
     ;;
-*) echo "unknown part $part: tests, w1, w3, w3-natural, profile or sketch" >&2; exit 2 ;;
+*) echo "unknown part $part: tests, w1, w3, w3-natural, profile, paced or sketch" >&2; exit 2 ;;
 esac
