@@ -8,8 +8,7 @@
 #               after a 20-second untimed run of every setting
 #   w3-natural  W3 with EOS respected (~45 s a setting on an H100, ~3.5 minutes the part)
 #   profile     GPU busy time per step in steady state and the kernels filling it (benchmarks/gpu_busy_profile.py):
-#               W1's pillar_recent rounds at steps 300, 700 and 1,000, its plain steps at 1,000, 4,000 and 7,000, ~4 min;
-#               after the w1 part, also the wall time of its plain decoding above the GPU's work (benchmarks/host_paced.py)
+#               W1's pillar_recent rounds at steps 300, 700 and 1,000, its plain steps at 1,000, 4,000 and 7,000, ~4 min
 #   paced       issue 14: W1's plain decoding alone (its trace keeps the host's time in each step phase), its GPU busy
 #               time at steps 1,000, 4,000 and 7,000, and how much of its wall time is above the GPU's work
 #               (benchmarks/host_paced.py), ~4 min on an H200
@@ -41,6 +40,9 @@ w3() {  # w3 RECORDS.jsonl [ARGS...]; one process per setting: a W3 run leaves ~
         done
     done
 }
+plain_profile() {  # W1's plain steps at 1,000, 4,000 and 7,000: the GPU's busy time as their contexts grow
+    python3 benchmarks/gpu_busy_profile.py "$model" 8192 none 1000,4000,7000 8
+}
 case $part in
 tests)
     python3 -m pytest -q tests/attention/test_paged_attention.py tests/attention/test_select_kernels.py tests/attention/test_logits_kernels.py \
@@ -53,15 +55,12 @@ w3) w3 "$out/w3.jsonl" ;;
 w3-natural) w3 "$out/w3_natural.jsonl" --natural-lengths ;;
 profile)
     python3 benchmarks/gpu_busy_profile.py "$model" 8192 pillar_recent 300,700,1000 8 > "$out/gpu_busy_profile.txt"
-    python3 benchmarks/gpu_busy_profile.py "$model" 8192 none 1000,4000,7000 8 >> "$out/gpu_busy_profile.txt"
-    if [ -f "$out/w1.jsonl" ]; then  # the w1 part ran first: how much of its plain decoding the host paced
-        python3 -m benchmarks.host_paced "$out/w1.jsonl" none "$out/gpu_busy_profile.txt" > "$out/host_paced_none.txt"
-    fi
+    plain_profile >> "$out/gpu_busy_profile.txt"
     ;;
 paced)
     python3 -m torchspec.bench.throughput --model "$model" --prompts 256 --max-new-tokens 8192 --temperature 0.65 \
         --drafts none --out "$out/w1_none.jsonl"
-    python3 benchmarks/gpu_busy_profile.py "$model" 8192 none 1000,4000,7000 8 > "$out/gpu_busy_profile_none.txt"
+    plain_profile > "$out/gpu_busy_profile_none.txt"
     python3 -m benchmarks.host_paced "$out/w1_none.jsonl" none "$out/gpu_busy_profile_none.txt" > "$out/host_paced_none.txt"
     ;;
 sketch)

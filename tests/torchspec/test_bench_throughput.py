@@ -249,8 +249,8 @@ def test_device_memory_is_read_as_a_pool_would_find_it(monkeypatch):
 def test_host_paced_sets_a_runs_wall_time_against_its_gpu_work(tmp_path, capsys):
     """``benchmarks/host_paced.py``: a run of 3,000 steps taking 5 ms a step, then 6 from step 1,000 on, against a
     GPU profiled busy 2 ms a step at step 500 and 6 at step 2,500 (so 2 + (step - 500) / 500 ms anywhere; the same
-    report's windows of another draft left out): the GPU's
-    work by ranges of steps, the wall time above it, and what the run would make at its GPU's pace."""
+    report's windows of another draft left out): the GPU's work by ranges of steps, the wall time above it, and
+    what the run would make at its GPU's pace."""
     steps = 3000
     wall = [0.1]  # the first step ends 0.1 s in
     indices = trace_steps(steps)
