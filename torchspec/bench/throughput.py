@@ -216,6 +216,20 @@ def device_memory_gib(device: torch.device) -> dict[str, float] | None:
     return {name: value / 2**30 for name, value in sizes.items()}
 
 
+#: The CUDA caching allocator's counters a record keeps (their growth over the timed run): each ``cudaMalloc``
+#: and ``cudaFree`` it made and each time a ``cudaMalloc`` failed and it freed its cache to retry (which waits for
+#: the device): a step that calls the driver for memory can stall the host behind the GPU.
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counters(device: torch.device) -> dict[str, int] | None:
+    """``ALLOCATOR_COUNTERS`` as the allocator has them now (None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {name: stats.get(name, 0) for name in ALLOCATOR_COUNTERS}
+
+
 def _request_fields(outputs: Sequence[RequestOutput] | None) -> dict:
     """A record's fields read from each request's output; None for a run stopped at its time limit (its requests
     never returned)."""
@@ -278,6 +292,7 @@ def measure(
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    allocator_before = allocator_counters(device)
     torch.manual_seed(seed)  # after the warm-up: the timed run samples the same with or without one
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs: list[RequestOutput] | None = None
@@ -292,6 +307,7 @@ def measure(
         stats = wrapped.last_stats
         generated = sum(len(o.token_ids) for o in outputs)
     graphs = wrapped.engine.runner.graphs
+    allocator_after = allocator_counters(device)
     return {
         "draft": draft,
         "requests": len(prompts),
@@ -339,6 +355,10 @@ def measure(
         "offload": None if stats.offload is None else dataclasses.asdict(stats.offload),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "memory_before_gib": memory_before,
+        # The caching allocator's driver calls during the timed run (``ALLOCATOR_COUNTERS``; None on a CPU).
+        "allocator_calls": None
+        if allocator_after is None
+        else {name: allocator_after[name] - allocator_before[name] for name in ALLOCATOR_COUNTERS},
         **environment(device, next(model.parameters()).dtype),
     }
 
