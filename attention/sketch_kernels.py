@@ -134,8 +134,8 @@ def _sketch_mass_kernel(
     (``WRITE_MASS`` off) writes the group's logits to ``Logits`` and each query head's running maximum and
     normaliser over the chunk to ``Stats``; the second merges its row's chunks into the row's normalisers and writes
     each candidate's mass averaged over the group from the stored logits (12 bytes a candidate for a group of 3,
-    where computing them again read its list entry, slot, codes and scale: 1.4x faster, as a copy of this kernel
-    ran outside the repo on an H100 and an H200, session 42). A row's chunks run in parallel, so a long row costs
+    where computing them again read its list entry, slot, codes and scale: 1.36-1.39x faster in
+    benchmarks/sketch_choice_micro.py on an H100, session 43). A row's chunks run in parallel, so a long row costs
     what a short one does. Entries past the row's candidates are not written."""
     row = tl.program_id(0)
     request = row // num_kv_heads
