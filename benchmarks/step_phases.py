@@ -13,9 +13,11 @@ this one's commit), the main thread's CPU time and the garbage collector's pause
 the per-step log to ``OUT.json`` and prints, per bucket of scheduled requests (powers of two), each kind's
 count, total and median wall time, and the median host time of each phase; then, per ``STEP_RANGE`` steps, the
 mean, median and largest wall time, the median of each phase, the CPU time and the collector's time per step
-(where a run's host work is the same and its wall time is not, CPU time tells a host that worked more from one
-that was held off its core); and the CUDA caching allocator's driver calls over the run. It watches the run as
-one of the engine's ``observers``. Raw H200 output: ``results/step_phases_h200.txt``.
+(the wait for the device spins, so it counts as CPU time too; in stretches where the host sets the pace, CPU time
+below the wall time is a host held off its core, CPU time equal to it a host whose work took longer); and the CUDA
+caching allocator's driver calls over the run. It watches the run as one of the engine's ``observers``. Raw
+output: ``results/step_phases_h200.txt`` (H200, by bucket), ``results/step_phases_none_h100.txt`` (two H100s, W1's
+plain decoding by range).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import statistics
 import sys
 import time
 
-from torchspec.bench.throughput import allocator_counters
+from torchspec.bench.throughput import allocator_calls_since, allocator_counters
 from torchspec.bench.w1 import SAMPLING, warmed_up
 from torchspec.scheduler import StepPlan
 
@@ -139,15 +141,12 @@ def main() -> None:
     start = time.perf_counter()
     wrapped.generate_batch(prompts, max_new_tokens=int(new_tokens), min_new_tokens=int(new_tokens), **SAMPLING)
     print(f"{draft} {options}: {time.perf_counter() - start:.1f} s, steps {len(log)}")
-    allocator_after = allocator_counters(engine.device)
+    allocator_calls = allocator_calls_since(allocator_before, engine.device)
     with open(out, "w") as file:
         json.dump(log, file)
     summary(log)
     by_range(log)
-    print(
-        "allocator calls: "
-        + ", ".join(f"{name} {allocator_after[name] - allocator_before[name]}" for name in allocator_after)
-    )
+    print("allocator calls: " + ", ".join(f"{name} {count}" for name, count in allocator_calls.items()))
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def _frozen_heap() -> Iterator[None]:
     """Leave every object that exists before the run out of the garbage collector's passes while it runs: a
     full collection walks the whole heap (the model, transformers, the caller's own objects: ~0.25 s for
     ~400K objects on a CPU), and a long run triggers several, each stalling a step. Objects made during the
-    run are collected as usual, but for those frozen in turn as requests start (see ``_freeze_started``); the
+    run are collected as usual, but for those frozen in turn as requests start or come back (``_freeze_started``); the
     frozen ones are handed back at the end (``gc.unfreeze``), so garbage among them is still freed later, never
     leaked."""
     gc.freeze()
@@ -130,10 +130,11 @@ def _frozen_heap() -> Iterator[None]:
 
 
 def _freeze_started(plan: StepPlan) -> None:
-    """Freeze the heap again (``_frozen_heap``) after a step in which requests start: each holds its slot list from
-    then on (W1: 256 lists of ~8.4K slots), and a full collection walks every item of every list, ~8 ms a pass
-    that W1's plain decoding paid about every 100 steps (H100, session 43). Freezing is a constant-time splice."""
-    if Phase.PREFILL in map(attrgetter("phase"), plan.scheduled):
+    """Freeze the heap again (``_frozen_heap``) after a step in which requests start or come back from the host
+    tier: each holds a new slot list from then on (W1: 256 lists of ~8.4K slots), and a full collection walks
+    every item of every list, ~8 ms a pass that W1's plain decoding paid about every 100 steps (H100, session 43).
+    Freezing is a constant-time splice."""
+    if plan.restores or Phase.PREFILL in map(attrgetter("phase"), plan.scheduled):
         gc.freeze()
 
 

@@ -19,6 +19,8 @@ from torchspec.bench.throughput import (
     REQUEST_FIELDS,
     TRACE_FIELDS,
     StepTimeline,
+    allocator_calls_since,
+    allocator_counters,
     device_memory_gib,
     main,
     measure,
@@ -244,6 +246,19 @@ def test_device_memory_is_read_as_a_pool_would_find_it(monkeypatch):
     memory = device_memory_gib(torch.device("cuda", 0))
     assert memory == {"free": 70.0, "total": 140.0, "allocated": 5.0, "cached": 60.0} and calls == ["emptied"]
     assert device_memory_gib(torch.device("cpu")) is None
+
+
+def test_a_record_counts_the_allocator_s_driver_calls_over_its_run(monkeypatch):
+    """The caching allocator's cudaMalloc, cudaFree, retries and all-stream syncs, as they grew between two reads
+    (a counter the allocator has not started yet reads 0); nothing on a CPU."""
+    counts = iter([{"num_device_alloc": 4, "num_device_free": 1}, {"num_device_alloc": 21, "num_device_free": 4}])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: next(counts))
+    cuda = torch.device("cuda", 0)
+    before = allocator_counters(cuda)
+    calls = allocator_calls_since(before, cuda)
+    assert calls == {"num_device_alloc": 17, "num_device_free": 3, "num_alloc_retries": 0, "num_sync_all_streams": 0}
+    cpu = torch.device("cpu")
+    assert allocator_counters(cpu) is None and allocator_calls_since(None, cpu) is None
 
 
 def test_host_paced_sets_a_runs_wall_time_against_its_gpu_work(tmp_path, capsys):

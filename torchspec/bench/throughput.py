@@ -230,6 +230,12 @@ def allocator_counters(device: torch.device) -> dict[str, int] | None:
     return {name: stats.get(name, 0) for name in ALLOCATOR_COUNTERS}
 
 
+def allocator_calls_since(before: dict[str, int] | None, device: torch.device) -> dict[str, int] | None:
+    """How much each of ``ALLOCATOR_COUNTERS`` grew since ``before`` (``allocator_counters``; None on a CPU)."""
+    after = allocator_counters(device)
+    return None if before is None or after is None else {name: after[name] - before[name] for name in after}
+
+
 def _request_fields(outputs: Sequence[RequestOutput] | None) -> dict:
     """A record's fields read from each request's output; None for a run stopped at its time limit (its requests
     never returned)."""
@@ -307,7 +313,7 @@ def measure(
         stats = wrapped.last_stats
         generated = sum(len(o.token_ids) for o in outputs)
     graphs = wrapped.engine.runner.graphs
-    allocator_after = allocator_counters(device)
+    allocator_calls = allocator_calls_since(allocator_before, device)
     return {
         "draft": draft,
         "requests": len(prompts),
@@ -356,9 +362,7 @@ def measure(
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "memory_before_gib": memory_before,
         # The caching allocator's driver calls during the timed run (``ALLOCATOR_COUNTERS``; None on a CPU).
-        "allocator_calls": None
-        if allocator_after is None
-        else {name: allocator_after[name] - allocator_before[name] for name in ALLOCATOR_COUNTERS},
+        "allocator_calls": allocator_calls,
         **environment(device, next(model.parameters()).dtype),
     }
 
