@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -252,6 +254,39 @@ def test_acceptance_is_binned_by_context_length() -> None:
         {"context_from": 512, "rounds": 1, "mean_accepted": 2.0},
         {"context_from": 1536, "rounds": 2, "mean_accepted": 0.5},
     ]
+
+
+def test_a_record_names_its_files_by_the_tree_git_would_commit(tmp_path: Path) -> None:
+    """``content_tree_id`` is the tree ``git add -A && git write-tree`` gives (nested, executable, untracked and
+    ignored files, a tracked file deleted since), so a record from a copy whose history lags its files still
+    finds its commit; the repository is left as it was."""
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    repo, index = tmp_path / "repo", str(tmp_path / "scratch-index")
+
+    def git(*args: str, **env: str) -> str:
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, env=os.environ | env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    (repo / "pkg" / "sub").mkdir(parents=True)
+    git("init", "-q")
+    files = {"pkg/a.py": "a = 1", "pkg/sub/b.py": "b = 2", "pkg-x.txt": "after pkg/ in git's order", "gone.txt": ""}
+    for name, text in {**files, "run.sh": "#!/bin/sh", ".gitignore": "*.log"}.items():
+        (repo / name).write_text(text + "\n")
+    (repo / "run.sh").chmod(0o755)
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t", "commit", "-q", "-m", "c")
+    assert records.content_tree_id(repo) == git("rev-parse", "HEAD^{tree}")
+    (repo / "gone.txt").unlink()
+    for name, text in {"pkg/a.py": "a = 3", "pkg/new.py": "untracked", "out.log": "ignored"}.items():
+        (repo / name).write_text(text + "\n")
+    status = git("status", "--porcelain")
+    found = records.content_tree_id(repo)
+    assert git("status", "--porcelain") == status
+    git("read-tree", "HEAD", GIT_INDEX_FILE=index)
+    git("add", "-A", GIT_INDEX_FILE=index)
+    assert found == git("write-tree", GIT_INDEX_FILE=index) != git("rev-parse", "HEAD^{tree}")
 
 
 def test_a_record_names_the_commit_it_measured(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,7 @@ appending records as JSON lines (so runs on different machines merge into one fi
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -131,10 +132,12 @@ def environment(device: torch.device | str, dtype: torch.dtype | str) -> dict[st
     """The machine fields of a record: GPU name (or cpu), dtype, the torch, transformers and triton versions (None
     where one is not installed), torch's CPU threads and the CPU's load (1-minute average, this process's own work
     included): other work on the CPU slows every method, a speculative step most. And the tree measured
-    (``source_tree``), so a record names the code that produced it."""
+    (``source_tree``, and ``content_tree_id`` for a copy whose git history lags its files), so a record names the
+    code that produced it."""
     name = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
     return {
         "tree": source_tree(),
+        "tree_id": content_tree_id(),
         "device": name,
         "dtype": str(dtype),
         "torch": torch.__version__,
@@ -162,6 +165,57 @@ def source_tree() -> str | None:
     if described.returncode != 0:
         return None
     return described.stdout.strip() or None
+
+
+def content_tree_id(root: Path | None = None) -> str | None:
+    """The git tree id of the checkout's files as they are (tracked and untracked, less what git ignores): what
+    ``git add -A && git write-tree`` would give, computed without writing to the repository. It names the code even
+    where the checkout's history lags its files (the GPU machine's copy of a working tree: its ``source_tree`` read
+    an older commit plus ``-dirty``); ``git log --format='%h %T'`` finds the commit with that tree. None outside a
+    git checkout."""
+    root = root or Path(__file__).resolve().parent
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True)
+        if top.returncode != 0:
+            return None
+        top_dir = Path(top.stdout.strip())
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=top_dir, capture_output=True
+        )
+    except OSError:
+        return None
+    if listed.returncode != 0:
+        return None
+    tree: dict = {}
+    for name in sorted(set(listed.stdout.decode().split("\0")) - {""}):
+        path = top_dir / name
+        if not path.is_symlink() and not path.is_file():  # tracked, deleted since: ``git add -A`` drops it
+            continue
+        if path.is_symlink():
+            mode, data = "120000", os.readlink(path).encode()
+        else:
+            mode, data = ("100755" if os.access(path, os.X_OK) else "100644"), path.read_bytes()
+        *folders, leaf = name.split("/")
+        node = tree
+        for folder in folders:
+            node = node.setdefault(folder, {})
+        node[leaf] = (mode, _git_object("blob", data))
+    return _tree_object(tree).hex()
+
+
+def _git_object(kind: str, body: bytes) -> bytes:
+    """The binary id git gives an object of ``kind`` holding ``body``."""
+    return hashlib.sha1(f"{kind} {len(body)}\0".encode() + body).digest()
+
+
+def _tree_object(node: dict) -> bytes:
+    """The id of a tree of ``node`` (name -> (mode, blob id) or a sub-tree), entries in git's order (a folder's
+    name sorts as if it ended with ``/``)."""
+    entries = []
+    for name, value in node.items():
+        mode, ident = ("40000", _tree_object(value)) if isinstance(value, dict) else value
+        entries.append((name + "/" if isinstance(value, dict) else name, f"{mode} {name}".encode() + b"\0" + ident))
+    return _git_object("tree", b"".join(entry for _, entry in sorted(entries, key=lambda item: item[0].encode())))
 
 
 def append_record(path: str | None, record: dict[str, Any]) -> None:
