@@ -6,7 +6,6 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
-from operator import attrgetter
 
 import torch
 
@@ -27,7 +26,7 @@ from torchspec.kv_offload import RESTORE_STAGING_BYTES, OffloadStats, auto_host_
 from torchspec.parallel.group import TensorParallel
 from torchspec.request import FinishReason, Request, SamplingParams
 from torchspec.runner import LaunchedStep, Runner
-from torchspec.scheduler import Phase, Scheduler, StepPlan
+from torchspec.scheduler import Scheduler, StepPlan
 from torchspec.stats import GenerationStats, accepted_histogram
 
 StepCallback = Callable[[StepPlan, list[Request]], None]
@@ -134,7 +133,7 @@ def _freeze_started(plan: StepPlan) -> None:
     tier: each holds a new slot list from then on (W1: 256 lists of ~8.4K slots), and a full collection walks
     every item of every list, ~8 ms a pass that W1's plain decoding paid about every 100 steps (H100, session 43).
     Freezing is a constant-time splice."""
-    if plan.restores or Phase.PREFILL in map(attrgetter("phase"), plan.scheduled):
+    if plan.restores or plan.has_prefill:
         gc.freeze()
 
 

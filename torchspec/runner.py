@@ -632,9 +632,13 @@ class Runner:
         # A request's sampled rows are the last of its query tokens: from its end less their count.
         ends = np.cumsum(columns.num_query_tokens)
         rows = np.repeat(ends - sampled - first, sampled) + np.arange(int(sampled.sum()))
-        prefill = Phase.PREFILL in map(attrgetter("phase"), plan.scheduled)
         logits = self._logits(
-            metadata, input_ids, position_ids, rows, max_list_len=self._max_list_len(plan.scheduled), prefill=prefill
+            metadata,
+            input_ids,
+            position_ids,
+            rows,
+            max_list_len=self._max_list_len(plan.scheduled),
+            prefill=plan.has_prefill,
         )
         return logits, first.tolist()
 

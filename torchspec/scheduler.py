@@ -199,9 +199,12 @@ class StepPlan:
     # Samples of a prompt that copy its K/V from another's slots (these, in position order) into their own.
     forks: list[tuple[Request, list[int]]] = field(default_factory=list)
     num_drafts: int = field(init=False)  # read several times per step: counted once
+    has_prefill: bool = field(init=False)  # some request runs a prompt chunk (the engine, runner and scheduler ask)
 
     def __post_init__(self) -> None:
-        self.num_drafts = list(map(attrgetter("phase"), self.scheduled)).count(Phase.DRAFT)
+        phases = list(map(attrgetter("phase"), self.scheduled))
+        self.num_drafts = phases.count(Phase.DRAFT)
+        self.has_prefill = Phase.PREFILL in phases
 
     @property
     def num_tokens(self) -> int:
@@ -422,7 +425,7 @@ class Scheduler:
     def observe_step(self, plan: StepPlan, wall_ms: float, draft_ms: float | None) -> None:
         """Report a step's cost to the round length: its wall time and what one of its later draft forwards
         took (None: none ran). Decoding steps only: a step with prompt chunks costs what no round costs."""
-        if Phase.PREFILL in map(attrgetter("phase"), plan.scheduled):
+        if plan.has_prefill:
             return
         self.round_length.observe(len(plan.scheduled), plan.round_length, wall_ms, draft_ms)
 
