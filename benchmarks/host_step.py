@@ -6,7 +6,9 @@ With CUDA graphs the GPU forward of a decoding step is one replay, so what remai
 scheduling, slot lists, token selection, speculation bookkeeping. This measures that floor on any machine (no
 GPU needed): a tiny random Llama with SmolLM2's vocabulary runs the prefill for real, then every decoding step
 goes through the padded static path of ``cuda_graphs=True`` with the forward swapped for random logits (and
-random verify scores); the static buffers are filled as for a replay. The vocabulary is small on purpose: on a
+random verify scores); the static buffers are filled as for a replay (a plain step's graph also builds its
+inputs, selects its tokens and advances the slot table on the device: the stand-in does none of it, and its
+tokens are zeros). The vocabulary is small on purpose: on a
 GPU the work over the whole vocabulary (softmax, sampling) is device time, not host time, and on a CPU it
 would swamp what this measures. Reported: the median wall time of full-batch decoding steps (everything the engine
 does per step, the stand-ins for graph replays included; every other step), the median count of tensor ops the

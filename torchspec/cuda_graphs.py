@@ -39,6 +39,7 @@ from torchspec.hf import (
     verify_mass_shape,
 )
 from torchspec.kv_cache import KVPool
+from torchspec.plain_batch import PlainBatch
 from torchspec.transfer import to_device
 
 T = TypeVar("T")
@@ -110,6 +111,12 @@ class _StaticStep:
     reason: str = "new bucket"  # why the bucket's buffers were made (its capture is logged with it)
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [T', V]: its view of the logits every bucket shares (first forward on)
+    # A plain step's batch (``torchspec.plain_batch``), whose inputs the forward builds from the slot table and
+    # whose tokens it selects after it: the bucket's columns, the batch they hold now (rewritten only when it
+    # changes) and each row's token.
+    plain: PlainBatch | None = None
+    plain_source: PlainBatch | None = None
+    tokens: torch.Tensor | None = None  # [T']
 
 
 class StepGraphs:
@@ -125,6 +132,7 @@ class StepGraphs:
         scored_queries: int,
         max_batch_size: int,
         device: torch.device,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.forward = forward
         self.pool = pool
@@ -136,8 +144,10 @@ class StepGraphs:
         self.scored_queries = scored_queries  # a verify's queries PillarAttn learns the attention mass of (0: none)
         self.buckets = bucket_sizes(max_batch_size)
         self.device = device
+        self.generator = generator  # the run's, which plain steps draw their seeds from
         self.capture = device.type == "cuda"
-        self._steps: dict[tuple[int, int], _StaticStep] = {}
+        # By bucket and the layout of the step's token batch (None: the runner selects after the replay).
+        self._steps: dict[tuple[int, int, tuple | None], _StaticStep] = {}
         self._last: _StaticStep | None = None  # the bucket replayed most recently
         self._mass = SharedStorage(MASS_DTYPE, device, self.buckets[-1])  # every bucket's verify mass
         self._draft_lists = SharedStorage(torch.int64, device, self.buckets[-1])  # every bucket's draft lists
@@ -175,47 +185,96 @@ class StepGraphs:
         bucket's bound, one admitted later with a longer budget, captures the bucket again)."""
         num_drafts = metadata.num_drafts
         num_verifies = metadata.full.kv_indptr.shape[0] - 1
-        key = held_bucket((num_drafts, num_verifies), self.buckets, self._steps)
         lists = num_drafts > 0 and metadata.draft_choice is None  # the runner built the draft lists
         draft_count = metadata.draft[self.first_sparse].kv_indices.shape[-1] if lists else 0
         full_count = metadata.full.kv_indices.shape[-1]
-        step = self._steps.get(key)
-        choice = metadata.draft_choice
-        if step is None:
-            reason = "new bucket"
-        elif choice is not None and (
-            step.metadata.draft_choice is None or not choice.held_by(step.metadata.draft_choice)
-        ):
+        key, step, reason = self._held((num_drafts, num_verifies), None, full_count, metadata.full.max_len)
+        choice, held_choice = metadata.draft_choice, None if step is None else step.metadata.draft_choice
+        if reason is None and choice is not None and (held_choice is None or not choice.held_by(held_choice)):
             reason = "draft choice outgrew its buffers"
-        elif draft_count > step.draft_capacity:
+        elif reason is None and draft_count > step.draft_capacity:
             reason = "draft lists outgrew its buffer"
-        elif full_count > step.full_capacity or metadata.full.max_len > step.metadata.full.max_len:
-            reason = "full lists outgrew its buffer"
-        else:
-            reason = None
         if reason is not None:
             draft_hint = metadata.draft[self.first_sparse].max_len if lists else 0
-            step = self._steps[key] = self._static_step(
-                *key,
-                draft_capacity=max(2 * draft_count, 2 * step.draft_capacity if step else 0),
-                full_capacity=max(2 * full_count, key[1] * max_list_len),
-                draft_hint=draft_hint,
-                full_hint=max_list_len,
-                choice=choice,
-            )
-            step.reason = reason
+            step = self._remake(key, step, reason, full_count, max_list_len, draft_count, draft_hint, choice)
         self._fill(step, input_ids, position_ids, metadata, rows)
-        if not self.capture:
-            logits = self._run_forward(step)
-        else:
-            if step.graph is None:
-                self._capture(step)
-            step.graph.replay()
-            logits = step.logits
-        self._last = step
+        logits = self._replay(step)
         # Verify j's row is the dynamic step's: real verifies come first.
         metadata.mass, metadata.mass_layers = step.metadata.mass, step.metadata.mass_layers
         return logits[: len(rows)]
+
+    def plain_tokens(self, batch: PlainBatch, contexts: np.ndarray, max_list_len: int) -> torch.Tensor:
+        """A plain step of ``batch``'s requests, each ``contexts[i]`` tokens long with the one it is fed, from
+        the bucket's graph: its inputs built from the slot table, the forward, then each request's token
+        selected and the table advanced past the step (``torchspec.plain_batch``), all on the device. The host
+        only copies a batch's columns in when the batch changes, draws the seed and replays. ``max_list_len``: as
+        for ``logits``."""
+        count = len(contexts)
+        full_count, longest = int(contexts.sum()), int(contexts.max())
+        key, step, reason = self._held((0, count), batch.layout(), full_count, longest)
+        if reason is None and not step.plain.reads(batch):
+            reason = "slot table grew"
+        if reason is not None:
+            step = self._remake(key, step, reason, full_count, max_list_len, batch=batch)
+        self._keep(step, np.arange(count))
+        if step.plain_source is not batch:
+            batch.copy_into(step.plain)
+            step.plain_source = batch
+        step.plain.draw_seed(self.generator)
+        self._replay(step)
+        return step.tokens[:count]
+
+    def _held(
+        self, counts: tuple[int, int], layout: tuple | None, full_count: int, longest: int
+    ) -> tuple[tuple, _StaticStep | None, str | None]:
+        """The bucket a step of ``counts`` (drafts, verifies) replays in among those of its batch ``layout``
+        (None: the runner's), its buffers, and why they must be made (again) or None: whether they hold
+        ``full_count`` list entries of at most ``longest`` positions a list."""
+        made = [key[:2] for key in self._steps if key[2] == layout]
+        key = (*held_bucket(counts, self.buckets, made), layout)
+        step = self._steps.get(key)
+        if step is None:
+            return key, None, "new bucket"
+        if full_count > step.full_capacity or longest > step.metadata.full.max_len:
+            return key, step, "full lists outgrew its buffer"
+        return key, step, None
+
+    def _remake(
+        self,
+        key: tuple,
+        step: _StaticStep | None,
+        reason: str,
+        full_count: int,
+        max_list_len: int,
+        draft_count: int = 0,
+        draft_hint: int = 0,
+        choice: DraftChoice | None = None,
+        batch: PlainBatch | None = None,
+    ) -> _StaticStep:
+        """A bucket's buffers made anew, for ``reason``, with room for twice what is asked now."""
+        step = self._steps[key] = self._static_step(
+            *key[:2],
+            draft_capacity=max(2 * draft_count, 2 * step.draft_capacity if step else 0),
+            full_capacity=max(2 * full_count, key[1] * max_list_len),
+            draft_hint=draft_hint,
+            full_hint=max_list_len,
+            choice=choice,
+            batch=batch,
+        )
+        step.reason = reason
+        return step
+
+    def _replay(self, step: _StaticStep) -> torch.Tensor:
+        """Run the bucket's forward and return its logits: replayed, or where it was never captured, captured,
+        its capture's warm-up run being this step's (run twice, a plain step would advance the table twice)."""
+        self._last = step
+        if not self.capture:
+            return self._run_forward(step)
+        if step.graph is None:
+            self._capture(step)
+        else:
+            step.graph.replay()
+        return step.logits
 
     def _static_step(
         self,
@@ -226,9 +285,11 @@ class StepGraphs:
         draft_hint: int,
         full_hint: int,
         choice: DraftChoice | None,
+        batch: PlainBatch | None,
     ) -> _StaticStep:
         """A bucket's buffers; its drafts choose their lists in the forward from buffers like ``choice`` (None:
-        they read lists the runner built)."""
+        they read lists the runner built), and its tokens are selected after the forward with columns like
+        ``batch``'s (None: by the runner)."""
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
         num_tokens = num_drafts + num_verifies * self.verify_tokens
         position_ids = zeros(1, num_tokens)
@@ -274,6 +335,8 @@ class StepGraphs:
             draft_capacity=draft_capacity,
             full_capacity=full_capacity,
             draft_lists=draft_lists,
+            plain=None if batch is None else batch.buffers(num_tokens),
+            tokens=None if batch is None else zeros(num_tokens),
         )
 
     def _mass_buffer(self, num_verifies: int, width: int) -> tuple[torch.Tensor, dict[int, int]]:
@@ -310,11 +373,7 @@ class StepGraphs:
                 target[padded_drafts : padded_drafts + verify_tokens] = source[drafts:]
         shift = padded_drafts - drafts
         rows = np.asarray(rows, dtype=np.int64)
-        kept = np.where(rows < drafts, rows, rows + shift)
-        if step.kept_rows is None or not np.array_equal(kept, step.kept_rows):
-            step.rows.zero_()
-            step.rows[: kept.size] = to_device(kept, self.device)
-            step.kept_rows = kept
+        self._keep(step, np.where(rows < drafts, rows, rows + shift))
         if metadata.draft_choice is not None:
             metadata.draft_choice.copy_into(static.draft_choice)
         elif drafts:
@@ -333,7 +392,18 @@ class StepGraphs:
                 if metadata.num_scored_queries is not None:
                     static.num_scored_queries[: metadata.num_scored_queries.shape[0]] = metadata.num_scored_queries
 
+    def _keep(self, step: _StaticStep, kept: np.ndarray) -> None:
+        """The token rows whose logits the bucket keeps (the rest: row 0), written when they change."""
+        if step.kept_rows is None or not np.array_equal(kept, step.kept_rows):
+            step.rows.zero_()
+            step.rows[: kept.size] = to_device(kept, self.device)
+            step.kept_rows = kept
+
     def _run_forward(self, step: _StaticStep) -> torch.Tensor:
+        """The bucket's forward on its buffers: a plain step's inputs built from the slot table first and its
+        tokens selected after (both on the device: what a graph captures)."""
+        if step.plain is not None:
+            step.plain.write_inputs(step.input_ids, step.position_ids, step.metadata, self.pool.scratch_slot)
         context = PagedForwardContext(metadata=step.metadata, pool=self.pool, ops=self.ops)
         with forward_context(context):
             output = self.forward(
@@ -345,7 +415,10 @@ class StepGraphs:
                 largest_step = self.buckets[-1] * (1 + self.verify_tokens)
                 self._logits = SharedStorage(logits.dtype, self.device, largest_step)
             step.logits = self._logits.view(logits.shape, logits.shape[0])
-        return step.logits.copy_(logits)
+        step.logits.copy_(logits)
+        if step.plain is not None:
+            step.tokens.copy_(step.plain.tokens(step.logits))
+        return step.logits
 
     def _capture(self, step: _StaticStep) -> None:
         label = f"step {step.num_drafts}+{step.num_verifies}: {step.reason}"
@@ -419,7 +492,9 @@ class GraphPool:
 def capture_graph(run: Callable[[], T], pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Capture ``run`` (fixed-address inputs and outputs) as a CUDA graph, after one warm-up run on a side
     stream (kernels compile, lazy library state is set up outside the capture); returns the graph and the
-    captured run's output. The warm-up does what a replay does (same writes), so it is harmless. One warm-up,
+    captured run's output. The warm-up does what a replay does (same writes): a step graph's caller takes it as
+    the step's run, and replays from the next step on (a run that is not idempotent, as a plain step's advancing
+    the slot table, must not run again after it). One warm-up,
     not the customary few: a draining batch captures at every bucket (W1 on the H200 spent ~12.5 of 68-75 s in
     ~170 captures; skipping the warm-up of a bucket's later draft forwards did not shorten that). Each graph
     gets a private memory pool (a re-captured bucket frees its old graph safely) unless ``pool`` names one it

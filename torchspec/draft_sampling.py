@@ -22,7 +22,7 @@ import torch
 from torchspec.draft_probs import KeptDistributions
 from torchspec.penalty import penalize
 from torchspec.request import Request
-from torchspec.sampling import TopK, warp_logits
+from torchspec.sampling import TopK, padded_stop_ids, warp_logits
 from torchspec.transfer import to_device
 
 
@@ -68,12 +68,7 @@ class DraftSampling:
         (``TokenPresence.gather``), given when some request penalises."""
         count = len(requests)
         params = [request.params for request in requests]
-        width = max(1, max(len(p.stop_token_ids) for p in params))
-        stops = np.zeros((count, width), dtype=np.int64)
-        for i, p in enumerate(params):
-            if p.stop_token_ids:
-                stops[i] = p.stop_token_ids[0]
-                stops[i, : len(p.stop_token_ids)] = p.stop_token_ids
+        stops = padded_stop_ids(params)
         first = np.asarray(first_positions, dtype=np.int64)
         prompt = np.fromiter((request.num_prompt_tokens for request in requests), np.int64, count)
         min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, count)
@@ -107,7 +102,7 @@ class DraftSampling:
             max_top_k=int(top_k.max(initial=0)),
             support=int(top_k.max()) if filters else None,
             suppress_until=until_t,
-            stop_tokens=sent[5 * count :].view(count, width),
+            stop_tokens=sent[5 * count :].view(stops.shape),
             store_rows=rows_t,
             store_columns=columns_t,
             top_k_positions=top_k_positions,

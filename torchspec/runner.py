@@ -28,6 +28,7 @@ from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.kv_offload import HostKVStore
 from torchspec.penalty import TokenPresence
+from torchspec.plain_batch import PlainBatch
 from torchspec.request import Request, SamplingParams
 from torchspec.sampling import DenseProbs, WarpedLogits, reported_scores, suppress_stop_tokens, target_probs
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
@@ -78,6 +79,8 @@ class Runner:
         self.max_scored_queries = max(1, MAX_SCORED_ROWS // largest_group)
         self.table = SlotTable(device)
         self._rows_of: tuple[Callable[[], StepPlan | None], np.ndarray] = (lambda: None, np.zeros(0, np.int64))
+        # The batch of plain steps (``_plain_batch``), with the ids and slot-table rows of its requests.
+        self._plain: tuple[list[int] | None, np.ndarray | None, PlainBatch | None] = (None, None, None)
         self.draft_probs = DraftProbsStore(self.num_draft_slots, device)
         self.presence = TokenPresence(device)  # the tokens of requests with a repetition penalty
         self.graphs = None
@@ -87,7 +90,7 @@ class Runner:
             verify_tokens = self.num_draft_slots + 1
             scored = min(verify_tokens, self.max_scored_queries) if policy and policy.uses_verify_scores else 0
             self.graphs = StepGraphs(
-                self.forward, pool, ops, self.sparse_heads, verify_tokens, scored, max_batch_size, device
+                self.forward, pool, ops, self.sparse_heads, verify_tokens, scored, max_batch_size, device, generator
             )
         # The later forwards of draft chains as graphs per bucket, one per forward: policies whose lists the runner
         # builds, models without sliding windows, and (when capturing) the default generator, which graphs replay.
@@ -362,12 +365,22 @@ class Runner:
         draft_shifts = None if shifts is None else shifts[: len(drafts)]
         draft_rows = self._table_rows(plan)[: len(drafts)].tolist()  # their slot-table and store rows
         lists = self._round_lists(drafts, draft_rows, draft_shifts)
-        input_ids, position_ids, metadata = self.build_metadata(plan, shifts=shifts, lists=lists)
-        logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
-        self._learn_from_verify(plan, metadata)
-        sampling = self._draft_sampling(drafts, draft_rows, logits.shape[-1], draft_shifts)
-        picks = self._pick(plan, logits, first_row, sampling=sampling, shifts=shifts)
-        self._advance(plan, picks)
+        plain, sampling = self._plain_batch(plan), None
+        if plain is not None and self.graphs is not None and not self.windows:  # the whole step in its graph
+            contexts = plan.columns.device_computed + 1
+            tokens = self.graphs.plain_tokens(plain, contexts, self._max_list_len(plan.scheduled))
+            first_row, picks = list(range(len(contexts))), _Picks.plain(tokens)
+        else:
+            input_ids, position_ids, metadata = self.build_metadata(plan, shifts=shifts, lists=lists)
+            logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
+            self._learn_from_verify(plan, metadata)
+            sampling = self._draft_sampling(drafts, draft_rows, logits.shape[-1], draft_shifts)
+            if plain is not None:  # a plain step without a graph: the same selection and advance, eagerly
+                plain.draw_seed(self.generator)
+                picks = _Picks.plain(plain.tokens(logits))
+            else:
+                picks = self._pick(plan, logits, first_row, sampling=sampling, shifts=shifts)
+                self._advance(plan, picks)
         first_drafts = picks.tokens[: len(drafts)]  # draft requests own the first rows, one each
         later, chain_span = self._later_drafts(drafts, draft_rows, first_drafts, sampling, lists)
         parts = picks.parts() if later is None else [*picks.parts(), later.flatten()]
@@ -641,6 +654,23 @@ class Runner:
             prefill=plan.has_prefill,
         )
         return logits, first.tolist()
+
+    def _plain_batch(self, plan: StepPlan) -> PlainBatch | None:
+        """The columns of a plain decoding step's requests (no speculation, every request fed its newest token),
+        kept while the step's requests and their slot-table rows stay the same; None where the step is built by
+        ``build_metadata`` and selects by ``_pick`` (a prompt chunk, a policy, a request whose sampling
+        ``PlainBatch`` does not cover)."""
+        if self.policy is not None or plan.has_prefill:
+            return None
+        requests = list(map(attrgetter("request"), plan.scheduled))
+        rows = self._table_rows(plan)
+        held_ids, held_rows, held = self._plain
+        ids = list(map(id, requests))  # the held batch holds its requests: their ids stay theirs
+        if ids == held_ids and np.array_equal(rows, held_rows) and held.computed is self.table.computed:  # not grown
+            return held
+        batch = PlainBatch.of(requests, rows, self.table, self.ops.top_k_positions, self.ops.warped_sample)
+        self._plain = (ids, rows, batch) if batch is not None else (None, None, None)
+        return batch
 
     def _max_list_len(self, items: Sequence[ScheduledRequest]) -> int:
         """A bound on the full lists of ``items`` for graph buckets (0 without graphs: nothing reads it): the
@@ -1047,6 +1077,20 @@ class _Picks:
     accepted: torch.Tensor | None  # [emitting]: drafts kept
     next_token: torch.Tensor | None  # [emitting]: the corrected or bonus token (or a prompt's first)
     kept: _KeptRows | None = None  # the rows of requests that keep their scores or logits
+
+    @classmethod
+    def plain(cls, tokens: torch.Tensor) -> _Picks:
+        """A plain step's picks: request i (row i) emits ``tokens[i]``, no drafts to check."""
+        count = tokens.shape[0]
+        return cls(
+            tokens=tokens,
+            entropies=None,
+            emitting=list(range(count)),
+            emitting_rows=dict(zip(range(count), range(count), strict=True)),
+            drafts=None,
+            accepted=tokens.new_zeros(count),
+            next_token=tokens,
+        )
 
     def parts(self) -> list[torch.Tensor]:
         """What the step reads back of this forward: tokens, accepted counts, next tokens (empty: none)."""

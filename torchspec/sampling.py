@@ -46,6 +46,18 @@ def suppress_stop_tokens(
         logits.index_put_(index, forbidden)
 
 
+def padded_stop_ids(params: Sequence[SamplingParams]) -> np.ndarray:
+    """``[R, S]`` int64: each row's stop ids, padded by repeating its first (zeros for a row without any; S >= 1):
+    a fixed-width column that a gather and a scatter of the logits forbid, or leave, in one op each."""
+    width = max(1, max(len(p.stop_token_ids) for p in params))
+    stops = np.zeros((len(params), width), dtype=np.int64)
+    for i, p in enumerate(params):
+        if p.stop_token_ids:
+            stops[i] = p.stop_token_ids[0]
+            stops[i, : len(p.stop_token_ids)] = p.stop_token_ids
+    return stops
+
+
 def top_k_cutoff(
     logits: torch.Tensor,
     temperature: torch.Tensor,

@@ -1,0 +1,95 @@
+"""Plain steps select their tokens from columns kept per batch (``torchspec.plain_batch``), inside the step's
+graph where one runs: the same tokens as the general selection (``Runner._pick``), which a request keeping its
+scores still takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.torchspec.conftest import Batch, assert_no_slot_leak, tiny_spec
+from torchspec import sparsespec
+from torchspec.request import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SPEC = tiny_spec("llama")
+BATCH = Batch((5, 9, 4, 7, 6), seed=5)
+OPTIONS = {"kv_capacity_tokens": 512, "max_batch_size": 8}
+
+
+def _run(
+    params: list[SamplingParams], cuda_graphs: bool, device: str = "cpu", seed: int = 0
+) -> tuple[list[list[int]], list]:
+    """Each request's tokens, and the selections the plain steps used (None: ``_pick`` selected). On CUDA with the
+    Triton kernels, and graphs captured and replayed where ``cuda_graphs``."""
+    backend = {"attention_backend": "triton"} if device == "cuda" else {}
+    model = SPEC.build().to(device)
+    wrapped = sparsespec.wrap(model, draft=None, cuda_graphs=cuda_graphs, **OPTIONS, **backend)
+    engine = wrapped.engine
+    pairs = enumerate(zip(BATCH.prompts, params, strict=True))
+    requests = [engine.new_request(i, prompt, p) for i, (prompt, p) in pairs]
+    used = []
+    original = engine.runner._plain_batch
+
+    def watched(plan):
+        selection = original(plan)
+        if not plan.has_prefill:
+            used.append(selection)
+        return selection
+
+    engine.runner._plain_batch = watched
+    torch.manual_seed(seed)
+    for _ in engine.steps(requests):
+        pass
+    assert_no_slot_leak(wrapped)
+    return [request.token_ids for request in requests], used
+
+
+def _params(keep_scores: bool, **sampling) -> list[SamplingParams]:
+    """Request i makes 6 + 2 i tokens at most, its stop token (7) forbidden for its first 3 + i."""
+    return [
+        SamplingParams(6 + 2 * i, 3 + i, stop_token_ids=(7,), output_scores=keep_scores, **sampling)
+        for i in range(len(BATCH.prompts))
+    ]
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"do_sample": False},
+        {"do_sample": True, "temperature": 0.8, "top_k": 6},
+        {"do_sample": True, "temperature": 1.3},
+    ],
+)
+def test_plain_steps_select_the_tokens_the_general_selection_does(device, cuda_graphs, sampling):
+    """Greedy, top-k sampled and unfiltered sampled batches draining one request at a time: every plain step took
+    the kept columns (with ``cuda_graphs`` the whole step in the bucket's graph: inputs built from the slot table,
+    forward, selection, the table advanced), and each request's tokens equal those of the same run where requests
+    keep their scores (which ``_pick`` selects after a forward built by ``build_metadata``), under the same seed."""
+    ours, used = _run(_params(False, **sampling), cuda_graphs, device)
+    assert used and all(selection is not None for selection in used)
+    assert len({id(selection) for selection in used}) < len(used), "no selection kept for a batch's next step"
+    theirs, general = _run(_params(True, **sampling), cuda_graphs, device)
+    assert all(selection is None for selection in general)
+    assert ours == theirs
+
+
+def test_stop_tokens_stay_forbidden_below_min_new_tokens():
+    """A greedy request whose stop token is its argmax at output 2: below ``min_new_tokens`` the plain step's
+    selection forbids it (the token differs from the unconstrained run's), from there on it ends the request."""
+    free, _ = _run([SamplingParams(8, 0, do_sample=False)] * len(BATCH.prompts), cuda_graphs=True)
+    prompt_length = len(BATCH.prompts[0])
+    stop = free[0][prompt_length + 2]
+    held = [SamplingParams(8, 3, do_sample=False, stop_token_ids=(stop,))] * len(BATCH.prompts)
+    ours, _ = _run(held, cuda_graphs=True)
+    theirs, _ = _run(
+        [SamplingParams(8, 3, do_sample=False, stop_token_ids=(stop,), output_scores=True)] * len(BATCH.prompts), True
+    )
+    assert ours == theirs
+    assert ours[0][prompt_length + 2] != stop
