@@ -14,6 +14,10 @@ padding verifies own no token and an empty list; trailing padding tokens belong 
 are computed and never read). Exact on replay because the kernels read every query offset and list length
 from the device and adapt their split sizes to them; the launch hints fixed at capture only affect speed.
 On a CPU the same static path runs without capture (tested in CI: same tokens as the dynamic path).
+
+A plain step of a ``PlainBatch`` (torchspec/plain_batch.py) goes further: its graph also builds the step's inputs
+from the slot table before the forward and selects its tokens and advances the table after it, so the host
+copies nothing in but a batch's columns when the batch changes, and reads back only the tokens.
 """
 
 from __future__ import annotations

@@ -142,9 +142,10 @@ class PlainBatch:
             getattr(fixed, name)[:count] = column
         fixed.advance[count:] = 0
 
-    def reads(self, other: PlainBatch) -> bool:
-        """Whether both read the same slot-table tensors (a table grows into new ones)."""
-        return self.computed is other.computed and self.slots is other.slots
+    def reads(self, table: SlotTable | PlainBatch) -> bool:
+        """Whether this batch reads the tensors of ``table`` (or those another batch reads): a table grows into
+        new ones, with more rows or wider rows."""
+        return self.computed is table.computed and self.slots is table.slots
 
     def write_inputs(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata, scratch_slot: int
@@ -158,13 +159,15 @@ class PlainBatch:
         positions = self.computed[rows]
         input_ids[0].copy_(self.last_tokens[rows])
         position_ids[0].copy_(positions)
-        metadata.slot_mapping.copy_(torch.where(real > 0, self.slots[rows, positions], scratch_slot))
+        width = self.slots.shape[1]  # (a padding row may read a finished request's row: kept in bounds)
+        slots = self.slots[rows, positions.clamp(max=width - 1)]
+        metadata.slot_mapping.copy_(torch.where(real > 0, slots, scratch_slot))
         torch.cumsum(real, 0, out=metadata.cu_seqlens_q[1:])
         indptr, indices = metadata.full.kv_indptr, metadata.full.kv_indices
         torch.cumsum((positions + 1) * real, 0, out=indptr[1:])
         flat = torch.arange(indices.shape[0], device=indices.device)
         owner = torch.searchsorted(indptr[1:], flat, right=True).clamp_(max=rows.shape[0] - 1)
-        offset = (flat - indptr[owner]).clamp_(max=self.slots.shape[1] - 1)  # past the last list: never read
+        offset = (flat - indptr[owner]).clamp_(max=width - 1)  # past the last list: never read
         indices.copy_(self.slots[rows[owner], offset])
 
     def draw_seed(self, generator: torch.Generator | None) -> None:
@@ -176,8 +179,8 @@ class PlainBatch:
         """``[B]``: each row's token from ``logits`` (``[B, V]``, written in place: its stop tokens forbidden
         where its request is below ``min_new_tokens``), under the seed drawn last; then each request's state in
         the slot table moves past the step, as ``Runner._advance`` moves it: one more token computed, the new
-        one its newest. (Padding rows read row 0's state and add 0 to it: accumulated, where their writes would
-        race the real row's.)"""
+        one its newest. (A padding row reads the state of some row, a real one's maybe, and adds 0 to it:
+        accumulated, where a write would race the real row's.)"""
         computed = self.computed[self.table_rows]
         active = (computed < self.suppress_below)[:, None]
         stops = logits.gather(1, self.stop_tokens).masked_fill(active, float("-inf"))

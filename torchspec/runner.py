@@ -666,7 +666,7 @@ class Runner:
         rows = self._table_rows(plan)
         held_ids, held_rows, held = self._plain
         ids = list(map(id, requests))  # the held batch holds its requests: their ids stay theirs
-        if ids == held_ids and np.array_equal(rows, held_rows) and held.computed is self.table.computed:  # not grown
+        if ids == held_ids and np.array_equal(rows, held_rows) and held.reads(self.table):
             return held
         batch = PlainBatch.of(requests, rows, self.table, self.ops.top_k_positions, self.ops.warped_sample)
         self._plain = (ids, rows, batch) if batch is not None else (None, None, None)

@@ -93,3 +93,27 @@ def test_stop_tokens_stay_forbidden_below_min_new_tokens():
     )
     assert ours == theirs
     assert ours[0][prompt_length + 2] != stop
+
+
+def test_a_table_grown_mid_batch_gives_the_batch_new_columns():
+    """A slot table that widens while the batch runs on (a request topped up past its width, with ``offload``)
+    holds its state in new tensors: the batch's next step reads those (new columns, and its graph bucket made
+    again), never the old ones, and the tokens stay those of a run without the growth."""
+    params = [SamplingParams(8, 8, do_sample=False)] * len(BATCH.prompts)
+    expected, _ = _run(params, cuda_graphs=True)
+    wrapped = sparsespec.wrap(SPEC.build(), draft=None, cuda_graphs=True, **OPTIONS)
+    engine = wrapped.engine
+    requests = [
+        engine.new_request(i, prompt, p) for i, (prompt, p) in enumerate(zip(BATCH.prompts, params, strict=True))
+    ]
+    batches = []
+    for plan, _ in engine.steps(requests):
+        held = engine.runner._plain[2]
+        if held is not None and not plan.has_prefill:
+            batches.append(held)
+            if len(batches) == 2:
+                table = engine.runner.table
+                table._fit(2 * table.slots.shape[1])  # what a top-up past the width does
+    assert [request.token_ids for request in requests] == expected
+    assert batches[2] is not batches[1] and batches[2].reads(engine.runner.table)
+    assert any(step.reason == "slot table grew" for step in engine.runner.graphs._steps.values())
