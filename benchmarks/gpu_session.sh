@@ -11,8 +11,9 @@
 #               W1's pillar_recent rounds at steps 300, 700 and 1,000, its plain steps at 1,000, 4,000 and 7,000, ~4 min
 #   paced       issue 14: W1's plain decoding alone (its trace keeps the host's time in each step phase), its GPU busy
 #               time at steps 1,000, 4,000 and 7,000, how much of its wall time is above the GPU's work
-#               (benchmarks/host_paced.py), and its steps by ranges of 100 with the host's CPU time and the garbage
-#               collector's pauses (benchmarks/step_phases.py: where the host as a whole ran slower), ~5.5 min on an H200
+#               (benchmarks/host_paced.py), its steps by ranges of 100 with the host's CPU time and the garbage
+#               collector's pauses (benchmarks/step_phases.py: where the host as a whole ran slower), and a steady
+#               stretch's host time by function (benchmarks/host_split.py), ~6 min on an H200
 #   sketch      issue 19: query_sketch against pillar_recent at 2,048 new tokens, where a query_sketch step's GPU time
 #               goes and its host's, and one layer's choice at W1's shapes (benchmarks/sketch_choice_micro.py), ~4 min
 # Records land in OUT_DIR as JSON lines (written as each setting ends, so a part cut at its limit keeps the
@@ -64,6 +65,7 @@ paced)
     plain_profile > "$out/gpu_busy_profile_none.txt"
     python3 -m benchmarks.host_paced "$out/w1_none.jsonl" none "$out/gpu_busy_profile_none.txt" > "$out/host_paced_none.txt"
     python3 benchmarks/step_phases.py "$model" 8192 none "$out/step_phases_none.json" > "$out/step_phases_none.txt"
+    python3 -m benchmarks.host_split "$model" 1800 none 300 1000 20 > "$out/host_split_none.txt"
     ;;
 sketch)
     python3 -m torchspec.bench.throughput --model "$model" --prompts 256 --max-new-tokens 2048 --temperature 0.65 \

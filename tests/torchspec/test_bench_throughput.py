@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from benchmarks import decode_step, drain_report, host_paced, host_step, plot_timeline, step_profile
+from benchmarks import decode_step, drain_report, host_paced, host_split, host_step, plot_timeline, step_profile
 from tests.torchspec.conftest import tiny_spec
 from torchspec import sparsespec
 from torchspec.bench import gpu_time
@@ -123,6 +123,29 @@ def test_host_step_times_decoding_steps_without_a_forward():
     assert parts["chain replay (stand-in)"] > 0  # the chain's later forwards ran from the chain graph
     host_parts = sum(n for part, n in parts.items() if "replay" not in part)
     assert abs(host_parts - speculative["ops_per_step"]) < 0.5 * speculative["ops_per_step"]
+
+
+def test_host_split_clocks_each_timed_function_while_on():
+    """``benchmarks/host_split.py``: every function it times exists (a renamed one would end a GPU session's script
+    before it measured anything), and a clock counts a call's inclusive time only while on, a nested call in both."""
+    assert all(callable(getattr(owner, name)) for owner, name in host_split.TIMED)
+
+    class Work:
+        def outer(self) -> int:
+            return self.inner() + 1
+
+        def inner(self) -> int:
+            return 1
+
+    clocks = host_split.Clocks()
+    clocks.wrap(Work, "outer")
+    clocks.wrap(Work, "inner")
+    Work().outer()
+    assert not clocks.calls
+    clocks.on = True
+    assert Work().outer() == 2
+    assert clocks.calls == {"Work.outer": 1, "Work.inner": 1}
+    assert clocks.seconds["Work.outer"] >= clocks.seconds["Work.inner"] > 0
 
 
 def test_step_profile_times_and_profiles_speculative_steps():
