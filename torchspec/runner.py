@@ -358,8 +358,9 @@ class Runner:
         """Queue one step: the forward, the policy's learning from verify attention, token selection; then
         the later forwards of draft chains, each fed the previous draft tokens on the device; then the verify
         forward of the rounds drafted in this step, fed their drafts on the device too; then the copy of the
-        step's tokens to the host. Nothing here waits for the GPU: a round's forwards queue back to back, and
-        the next step can be queued before this one is collected."""
+        step's tokens to the host. A plain step of a ``PlainBatch`` is one graph replay instead (its inputs,
+        selection and advance on the device) where graphs run. Nothing here waits for the GPU: a round's forwards
+        queue back to back, and the next step can be queued before this one is collected."""
         drafts = plan.scheduled[: plan.num_drafts]
         shifts = self._shifts(plan)
         draft_shifts = None if shifts is None else shifts[: len(drafts)]
