@@ -6,7 +6,8 @@ bucket is captured once and replayed: every step copies its inputs, slot lists a
 bucket's static buffers (fixed addresses the graph reads) and replays. A bucket is (draft requests, verify
 requests), each padded to a bucket size; every verify request has room for ``verify_tokens`` (k + 1) query
 tokens, so the unified batch of the phase scheduler (~B/(k+1) verifies next to ~B k/(k+1) drafts) reuses a
-few graphs. A step whose bucket was never made replays a made one of up to twice its size (``held_bucket``).
+few graphs. A step whose bucket was never made replays a made one of up to twice its size, or of up to
+``SMALL_BUCKET`` requests for a small step (``held_bucket``).
 
 Static layout of a bucket (D' drafts, V' verifies, q tokens each): tokens ``[D real drafts | D' - D padding
 drafts | verify tokens | padding]``; padding drafts own one token, an empty slot list and the scratch slot;
@@ -54,6 +55,11 @@ T = TypeVar("T")
 # of a 44.7 s run, most of them for the buckets a draining batch passes through), a padding request only its rows
 # of the GEMMs and the LM head (its attention lists are empty, its rows never sampled).
 PADDING_SLACK = 2
+# ... and a step of at most this many requests in a dimension replays any made bucket of at most this many there:
+# below it a forward costs the GPU its weights and its launches, the same for one request as for 32 (the K/V its
+# requests read is a few MB), while a capture costs the host 50-400 ms. W1's draining batch on an H100 (run AD,
+# pillar_recent, session 44) captured its step and chain graphs anew at 8, 2 and 1 requests: 1.2 s of a 41.4 s run.
+SMALL_BUCKET = 32
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -65,13 +71,16 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
 def held_bucket(counts: tuple[int, ...], sizes: Sequence[int], made: Collection[tuple[int, ...]]) -> tuple[int, ...]:
     """The bucket a step of ``counts`` requests (one count a dimension) replays in: its own (each count padded to
     the next of ``sizes``, none where it has none) when made, else the smallest made bucket holding it within
-    ``PADDING_SLACK`` times its own in every dimension, else its own (to be made)."""
+    ``PADDING_SLACK`` times its own, or ``SMALL_BUCKET``, in every dimension (none where it has none), else its
+    own (to be made)."""
     own = tuple(next(size for size in sizes if size >= count) if count else 0 for count in counts)
     if own in made:
         return own
-    holding = [
-        key for key in made if all(need <= size <= PADDING_SLACK * need for need, size in zip(own, key, strict=True))
-    ]
+
+    def pads(need: int, size: int) -> bool:
+        return need <= size <= max(PADDING_SLACK * need, SMALL_BUCKET) if need else size == 0
+
+    holding = [key for key in made if all(pads(need, size) for need, size in zip(own, key, strict=True))]
     return min(holding, key=sum, default=own)
 
 

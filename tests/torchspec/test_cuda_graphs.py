@@ -55,21 +55,26 @@ def test_bucket_sizes_cover_every_batch_once():
 SIZES = bucket_sizes(256)
 
 
-def test_a_step_replays_a_bucket_made_within_twice_its_own():
-    made = [(0, 256), (256, 0), (256, 4), (160, 4)]  # counts below are bucket sizes: each its own bucket
+def test_a_step_replays_a_bucket_made_within_twice_its_own_or_a_small_one():
+    made = [(0, 256), (256, 0), (256, 64), (160, 4)]  # counts below are bucket sizes: each its own bucket
     assert held_bucket((224, 0), SIZES, made) == (256, 0)
     assert held_bucket((96, 0), SIZES, made) == (96, 0), "pads more than twice its requests"
     assert held_bucket((128, 2), SIZES, made) == (160, 4), "not the smallest that holds it"
-    assert held_bucket((224, 1), SIZES, made) == (224, 1), "4 verifies pad more than twice its one"
+    assert held_bucket((224, 1), SIZES, made) == (224, 1), "64 verifies pad more than twice its one and past 32"
     assert held_bucket((0, 160), SIZES, made) == (0, 256)
     assert held_bucket((4, 256), SIZES, made) == (4, 256), "a bucket without drafts holds no step with drafts"
     assert held_bucket((8,), SIZES, [(16,), (32,)]) == (16,)
+    # Up to SMALL_BUCKET (32) requests a dimension, a step pads to any bucket made there: its forward costs the same.
+    assert held_bucket((1,), SIZES, [(32,)]) == (32,)
+    assert held_bucket((2, 0), SIZES, [(32, 0), (64, 0)]) == (32, 0), "not past 32, nor twice its own"
+    assert held_bucket((130, 1), SIZES, [(160, 4)]) == (160, 4)
+    assert held_bucket((1,), SIZES, [(64,)]) == (1,), "64 is past 32 and past twice its own"
 
 
 def test_a_draining_batch_replays_the_buckets_it_made():
-    """Eight requests finishing one after another pass through buckets of 8, 4, 2 and 1 verifies: the steps of
-    4 and 3 replay the bucket of 8, the step of 1 the bucket of 2 (so a GPU captures two graphs, not four), and
-    the tokens are the dynamic path's."""
+    """Eight requests finishing one after another pass through buckets of 8, 4, 2 and 1 verifies: every step
+    replays the bucket of 8 (at most ``SMALL_BUCKET`` requests: a GPU captures one graph, not four), and the tokens
+    are the dynamic path's."""
     spec, batch = tiny_spec("llama", 2), Batch((5, 9, 4, 7, 6, 8, 3, 10), seed=2)
     model = spec.build()
     options = {"kv_capacity_tokens": 512, "max_batch_size": 8}
@@ -86,7 +91,7 @@ def test_a_draining_batch_replays_the_buckets_it_made():
         return engine, [request.token_ids for request in requests]
 
     engine, tokens = run(cuda_graphs=True)
-    assert {key[:2] for key in engine.runner.graphs._steps} == {(0, 8), (0, 2)}  # (key[2]: the selection's layout)
+    assert {key[:2] for key in engine.runner.graphs._steps} == {(0, 8)}  # (key[2]: the plain batch's layout)
     assert tokens == run(cuda_graphs=False)[1]
 
 
@@ -110,7 +115,7 @@ def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
     decoding and sparse drafts (query_sketch's chosen in the forward, on the device): 3 decoding requests pad to a
     bucket of 4 (padding writes the scratch slot, reads nothing), and speculative steps mixing drafts and verifies
     (PillarAttn's verify scores included) really ran through the buckets, their verify mass in one storage that
-    the buckets share, and so are their logits (a later call's smaller bucket's too).
+    the buckets share, and so are their logits (a later call's larger bucket's too).
 
     Protects the padding and buffer refresh of cuda_graphs.py: a stale slot list or query offset, a padding
     request that reads or writes a real slot, a verify score read at the wrong entry, or a wrong row of
@@ -135,9 +140,9 @@ def test_padded_static_steps_give_the_dynamic_tokens(arch, draft):
     masses = [step.metadata.mass for step in runner.graphs._steps.values() if step.metadata.mass is not None]
     storages = {mass.untyped_storage().data_ptr() for mass in masses}
     assert len(storages) == (1 if draft == "pillar_recent" else 0), storages
-    # So are their logits (a graph keeping its own ran an H100's W3 with offload out of memory), a smaller batch's
+    # So are their logits (a graph keeping its own ran an H100's W3 with offload out of memory), a larger batch's
     # bucket's too.
-    wrapped.generate(**Batch((5,), seed=4).kwargs(), max_new_tokens=6, do_sample=False)
+    wrapped.generate(**Batch((5, 7, 3, 6, 4, 8), seed=4).kwargs(), max_new_tokens=6, do_sample=False)
     buckets = set(runner.graphs._steps)
     logits = {step.logits.untyped_storage().data_ptr() for step in runner.graphs._steps.values()}
     assert len(logits) == 1 and len(buckets) > 1, (logits, buckets)
