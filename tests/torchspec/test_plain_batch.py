@@ -9,6 +9,7 @@ import torch
 
 from tests.torchspec.conftest import Batch, assert_no_slot_leak, tiny_spec
 from torchspec import sparsespec
+from torchspec.plain_batch import PlainBatch
 from torchspec.request import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -117,3 +118,41 @@ def test_a_table_grown_mid_batch_gives_the_batch_new_columns():
     assert [request.token_ids for request in requests] == expected
     assert batches[2] is not batches[1] and batches[2].reads(engine.runner.table)
     assert any(step.reason == "slot table grew" for step in engine.runner.graphs._steps.values())
+
+
+def test_a_graphed_plain_step_builds_the_inputs_build_metadata_does(monkeypatch):
+    """Each plain step's inputs, as its graph builds them from the slot table (``PlainBatch.write_inputs``), equal
+    what ``Runner.build_metadata`` makes of its plan: fed tokens, positions, slots (padding rows: the scratch slot),
+    query offsets and every request's list of slots (a batch of 5 padded to a bucket of 8, draining)."""
+    wrapped = sparsespec.wrap(SPEC.build(), draft=None, cuda_graphs=True, **OPTIONS)
+    engine, runner = wrapped.engine, wrapped.engine.runner
+    launched, compared = [], []
+    launch, write_inputs = runner.launch, PlainBatch.write_inputs
+
+    def launching(plan):
+        launched.append(plan)
+        return launch(plan)
+
+    def writing(batch, input_ids, position_ids, metadata, scratch_slot):
+        write_inputs(batch, input_ids, position_ids, metadata, scratch_slot)
+        ids, positions, expected = runner.build_metadata(launched[-1])
+        count = ids.shape[1]
+        assert torch.equal(input_ids[0, :count], ids[0]) and torch.equal(position_ids[0, :count], positions[0])
+        assert torch.equal(metadata.slot_mapping[:count], expected.slot_mapping)
+        assert bool((metadata.slot_mapping[count:] == scratch_slot).all())
+        assert torch.equal(metadata.cu_seqlens_q[: count + 1], expected.cu_seqlens_q)
+        indptr = expected.full.kv_indptr
+        assert torch.equal(metadata.full.kv_indptr[: count + 1], indptr)
+        assert bool((metadata.full.kv_indptr[count:] == indptr[-1]).all())  # padding rows: empty lists
+        assert torch.equal(metadata.full.kv_indices[: int(indptr[-1])], expected.full.kv_indices)
+        compared.append(count)
+
+    runner.launch = launching
+    monkeypatch.setattr(PlainBatch, "write_inputs", writing)
+    params = [SamplingParams(3 + 2 * i, 0, do_sample=True, temperature=0.9) for i in range(len(BATCH.prompts))]
+    requests = [
+        engine.new_request(i, prompt, p) for i, (prompt, p) in enumerate(zip(BATCH.prompts, params, strict=True))
+    ]
+    for _ in engine.steps(requests):
+        pass
+    assert compared and max(compared) == len(BATCH.prompts) and min(compared) < max(compared), compared
