@@ -12,9 +12,8 @@ a chain graph captures. A repetition penalty reads a per-round copy of each requ
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,12 +21,13 @@ import torch
 from torchspec.draft_probs import KeptDistributions
 from torchspec.penalty import penalize
 from torchspec.request import Request
+from torchspec.row_columns import RowColumns
 from torchspec.sampling import TopK, padded_stop_ids, warp_logits
 from torchspec.transfer import to_device
 
 
 @dataclass
-class DraftSampling:
+class DraftSampling(RowColumns):
     """Sampling columns of ``D`` draft requests on the device (request i in row i)."""
 
     temperature: torch.Tensor  # [D] fp32 (1 for greedy requests)
@@ -117,17 +117,10 @@ class DraftSampling:
         present = [column is not None for column in (self.top_k, self.top_p, self.min_p, self.penalty)]
         return self.all_greedy, self.any_greedy, self.support, self.max_top_k, *present, self.stop_tokens.shape[1]
 
-    def buffers(self, size: int) -> DraftSampling:
-        """Columns of the same layout for ``size`` rows, each row a copy of this one's first: fixed-address
-        buffers that rounds are copied into (``copy_into``); a row no request fills holds valid values."""
-        return self._each_column(lambda column: column[:1].expand(size, *column.shape[1:]).clone())
-
     def copy_into(self, fixed: DraftSampling, spare_row: int) -> None:
         """Write these columns into the first rows of ``fixed`` (``buffers`` of the same layout); the rows past
         them keep their draft distributions in store row ``spare_row`` from column 0, where any forward's fits."""
-        count = self.greedy.shape[0]
-        for name, column in self._columns().items():
-            getattr(fixed, name)[:count] = column
+        count = self.write_rows(fixed)
         fixed.store_rows[count:] = spare_row
         fixed.store_columns[count:] = 0
 
@@ -136,15 +129,6 @@ class DraftSampling:
         if count == self.greedy.shape[0]:
             return self
         return self._each_column(lambda column: column[:count])
-
-    def _columns(self) -> dict[str, torch.Tensor]:
-        """The per-request tensors by field name (the host values and absent filters left out)."""
-        values = {field.name: getattr(self, field.name) for field in fields(self)}
-        return {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}
-
-    def _each_column(self, change: Callable[[torch.Tensor], torch.Tensor]) -> DraftSampling:
-        """These columns with ``change`` applied to every per-request tensor, the host values kept."""
-        return dataclasses.replace(self, **{name: change(column) for name, column in self._columns().items()})
 
     def select(
         self,

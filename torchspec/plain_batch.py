@@ -19,15 +19,16 @@ sampled rows take the general path.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from torchspec.hf import AttentionMetadata
 from torchspec.request import Request, SamplingParams
+from torchspec.row_columns import RowColumns
 from torchspec.sampling import TopK, padded_stop_ids, top_k_cutoff
 from torchspec.slot_table import SlotTable
 from torchspec.transfer import to_device
@@ -47,14 +48,13 @@ def selects_plainly(params: SamplingParams) -> bool:
     )
 
 
-#: ``PlainBatch``'s tensors that are not one entry per request: the slot table's, the draws and the seed.
-SHARED_FIELDS = ("draws", "seed", "computed", "last_tokens", "slots")
-
-
 @dataclass
-class PlainBatch:
+class PlainBatch(RowColumns):
     """The columns of a plain step's ``B`` requests on the device (request i in row i), and the slot table's
     tensors its steps read and advance."""
+
+    # Tensors that are not one entry per request: the draws, the seed and the slot table's.
+    SHARED: ClassVar[tuple[str, ...]] = ("draws", "seed", "computed", "last_tokens", "slots")
 
     greedy: bool  # every request takes the argmax (else every one samples)
     temperature: torch.Tensor  # [B] fp32
@@ -128,7 +128,7 @@ class PlainBatch:
         """Columns of the same layout for ``size`` rows, each a copy of this one's first (padding rows select
         valid tokens that nobody reads, and advance nothing; ``draws`` stays 0 .. size - 1): fixed-address
         buffers that batches are copied into (``copy_into``)."""
-        fixed = self._each_column(lambda column: column[:1].expand(size, *column.shape[1:]).clone())
+        fixed = super().buffers(size)
         fixed.advance.zero_()
         fixed.draws = torch.arange(size, device=self.draws.device)
         fixed.seed = torch.zeros_like(self.seed)
@@ -137,10 +137,7 @@ class PlainBatch:
     def copy_into(self, fixed: PlainBatch) -> None:
         """Write these columns into the first rows of ``fixed`` (``buffers`` of the same layout); the rows past
         them (a larger batch's before) advance nothing."""
-        count = self.draws.shape[0]
-        for name, column in self._row_columns().items():
-            getattr(fixed, name)[:count] = column
-        fixed.advance[count:] = 0
+        fixed.advance[self.write_rows(fixed) :] = 0
 
     def reads(self, table: SlotTable | PlainBatch) -> bool:
         """Whether this batch reads the tensors of ``table`` (or those another batch reads): a table grows into
@@ -195,15 +192,3 @@ class PlainBatch:
         self.computed.index_add_(0, self.table_rows, self.advance)
         self.last_tokens.index_add_(0, self.table_rows, (tokens - self.last_tokens[self.table_rows]) * self.advance)
         return tokens
-
-    def _row_columns(self) -> dict[str, torch.Tensor]:
-        """The per-request tensors by field name (``SHARED_FIELDS``, which a copy keeps, left out)."""
-        values = {field.name: getattr(self, field.name) for field in fields(self)}
-        return {
-            name: value
-            for name, value in values.items()
-            if isinstance(value, torch.Tensor) and name not in SHARED_FIELDS
-        }
-
-    def _each_column(self, change: Callable[[torch.Tensor], torch.Tensor]) -> PlainBatch:
-        return dataclasses.replace(self, **{name: change(column) for name, column in self._row_columns().items()})
