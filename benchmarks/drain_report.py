@@ -1,5 +1,6 @@
 """Where a throughput run's time goes as its batch drains: steps, seconds and milliseconds a step by running batch
-size (the records' ``steps_by_batch``), what the slowest answers accepted, and, for runs with EOS held back, what
+size (the records' ``steps_by_batch``) with the host's time a step in each phase (where it waits on the read-back,
+the GPU sets the pace), what the slowest answers accepted, and, for runs with EOS held back, what
 the run would take if every request needed the mean number of rounds at the full batch's step time (issue 14: on W1
 every request makes the same 8,192 tokens, so the answers whose drafts fall short set the run's end alone).
 
@@ -26,14 +27,19 @@ def drain_table(record: dict) -> str:
         f"{record_setting(record)} on {record['device']} (tree {record.get('tree')}): "
         f"{record['tokens_per_s']:,.0f} tok/s, {record['steps']} steps in {record['seconds']:.1f} s",
         "",
-        "| running requests | steps | seconds | ms a step | share of the run |",
-        "|---|---|---|---|---|",
+        "| running requests | steps | seconds | ms a step | share of the run | host ms a step: schedule / launch / "
+        "read-back wait / commit |",
+        "|---|---|---|---|---|---|",
     ]
     bounds = [bucket["batch_from"] for bucket in buckets]
     for bucket, upper in zip(buckets, [None, *bounds[:-1]], strict=True):
         span = f"{bucket['batch_from']}" if upper is None else f"{bucket['batch_from']}-{upper - 1}"
         seconds, steps = bucket["seconds"], bucket["steps"]
-        lines.append(f"| {span} | {steps} | {seconds:.2f} | {1000 * seconds / steps:.1f} | {seconds / total:.0%} |")
+        # Records before session 46 kept no host phases by batch size.
+        host = " / ".join(f"{ms:.1f}" for ms in bucket.get("host_ms_per_step", {}).values()) or "-"
+        lines.append(
+            f"| {span} | {steps} | {seconds:.2f} | {1000 * seconds / steps:.1f} | {seconds / total:.0%} | {host} |"
+        )
     full = buckets[0]
     drain = total - full["seconds"]
     line = f"\nAfter the largest batch (the first request finished): {drain:.1f} s of {total:.1f} ({drain / total:.0%})"

@@ -59,6 +59,10 @@ def test_throughput_record_counts_the_real_work(smollm2):
         assert {g["batch_from"] for g in groups} <= {1, 2}
         steps_s = sum(g["seconds"] for g in groups)  # a step's seconds summed in another order: 1e-9 of slack
         assert 0 < record["first_20_steps_s"] <= steps_s + 1e-9 and steps_s <= record["seconds"]
+        for phase in HOST_PHASES:  # the host's ms a step in each phase by batch size: within the run's totals
+            by_group = sum(g["host_ms_per_step"][phase] * g["steps"] for g in groups)
+            assert 0 <= by_group <= record["host_ms_per_step"][phase] * record["steps"] + 1e-6
+        assert all(g["host_ms_per_step"]["launch"] > 0 for g in groups)
     assert sum(g["round_steps"] for g in plain["steps_by_batch"]) == 0
     assert sum(g["round_steps"] for g in speculative["steps_by_batch"]) > 0
 
@@ -319,8 +323,9 @@ def test_host_paced_sets_a_runs_wall_time_against_its_gpu_work(tmp_path, capsys)
 
 def test_the_drain_report_splits_a_run_by_its_running_batch(tmp_path, capsys):
     """``benchmarks/drain_report.py``: a row per batch-size bucket of the record's ``steps_by_batch`` (its span,
-    steps, seconds, ms a step, share of the run), the seconds after the full batch, and the run's time if every
-    request needed the mean rounds at the full batch's step time; only the settings named."""
+    steps, seconds, ms a step, share of the run, the host's ms a step by phase where the record keeps them), the
+    seconds after the full batch, and the run's time if every request needed the mean rounds at the full batch's
+    step time; only the settings named."""
     record = {
         "setting": "pillar_recent",
         "device": "cpu",
@@ -334,14 +339,19 @@ def test_the_drain_report_splits_a_run_by_its_running_batch(tmp_path, capsys):
         "request_accepted_p10_p50_p90": [2.0, 3.0, 3.5],
         "slowest_requests": [{"mean_accepted": 1.5}, {"mean_accepted": 1.75}],
         "steps_by_batch": [
-            {"batch_from": 8, "steps": 40, "seconds": 6.0},
+            {
+                "batch_from": 8,
+                "steps": 40,
+                "seconds": 6.0,
+                "host_ms_per_step": dict(zip(HOST_PHASES, [1, 20, 125, 4], strict=True)),
+            },
             {"batch_from": 2, "steps": 20, "seconds": 3.0},
             {"batch_from": 1, "steps": 10, "seconds": 1.0},
         ],
     }
     table = drain_report.drain_table(record)
-    assert "| 8 | 40 | 6.00 | 150.0 | 60% |" in table
-    assert "| 2-7 | 20 | 3.00 | 150.0 | 30% |" in table and "| 1-1 | 10 | 1.00 | 100.0 | 10% |" in table
+    assert "| 8 | 40 | 6.00 | 150.0 | 60% | 1.0 / 20.0 / 125.0 / 4.0 |" in table
+    assert "| 2-7 | 20 | 3.00 | 150.0 | 30% | - |" in table and "| 1-1 | 10 | 1.00 | 100.0 | 10% | - |" in table
     assert "After the largest batch (the first request finished): 4.0 s of 10.0 (40%)" in table
     # 100 tokens at 1 + 3 a round: 25 rounds of 150 ms.
     assert "the slowest 1.50, 1.75" in table and "25 rounds, 3.8 s (213 tok/s)" in table

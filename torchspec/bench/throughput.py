@@ -187,20 +187,31 @@ class StepTimeline:
         }
 
     def by_batch(self) -> list[dict]:
-        """Steps grouped by batch size (powers of two: 256, 128-255, 64-127, ...): where a run's time went, and
-        how many of those steps ran rounds (with drafts) and of what mean length."""
-        groups: dict[int, list[tuple[int, float, int]]] = {}
-        for step in self.steps:
-            groups.setdefault(1 << (step[0].bit_length() - 1), []).append(step)
+        """Steps grouped by batch size (powers of two: 256, 128-255, 64-127, ...): where a run's time went, how
+        many of those steps ran rounds (with drafts) and of what mean length, and the host's milliseconds a step
+        in each phase (``HOST_PHASES``): a step whose host waits on the read-back is paced by the GPU, one whose
+        schedule, launch and commit fill its time by the host."""
+        phases = len(HOST_PHASES)
+        cumulative = [row[-phases:] for row in self.trace]  # the host's ms so far in each phase, after each step
+        host = [
+            [now - then for now, then in zip(*pair, strict=True)]
+            for pair in zip(cumulative, [(0.0,) * phases, *cumulative[:-1]], strict=True)
+        ]
+        groups: dict[int, list[tuple[tuple[int, float, int], list[float]]]] = {}
+        for step, host_ms in zip(self.steps, host, strict=True):
+            groups.setdefault(1 << (step[0].bit_length() - 1), []).append((step, host_ms))
         return [
             {
                 "batch_from": low,
-                "steps": len(steps),
-                "seconds": sum(seconds for _, seconds, _ in steps),
-                "round_steps": sum(length > 0 for _, _, length in steps),
-                "mean_round_length": statistics.fmean([n for _, _, n in steps if n] or [0]),
+                "steps": len(members),
+                "seconds": sum(seconds for (_, seconds, _), _ in members),
+                "round_steps": sum(length > 0 for (_, _, length), _ in members),
+                "mean_round_length": statistics.fmean([n for (_, _, n), _ in members if n] or [0]),
+                "host_ms_per_step": {
+                    phase: statistics.fmean(ms[j] for _, ms in members) for j, phase in enumerate(HOST_PHASES)
+                },
             }
-            for low, steps in sorted(groups.items(), reverse=True)
+            for low, members in sorted(groups.items(), reverse=True)
         ]
 
 
