@@ -227,5 +227,5 @@ class ChainGraphs:
         forward.add_(1)
 
     def _capture(self, step: _ChainStep, sampler: _Sampler) -> None:
-        label = f"chain {step.size}: {sampler.reason}"
+        label = f"chain {step.size} (lists to {step.list_hint}): {sampler.reason}"  # hint: see StepGraphs._capture
         sampler.graph, _ = self.captures.capture(lambda: self._run(step, sampler), label, self.memory)

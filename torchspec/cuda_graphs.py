@@ -434,7 +434,10 @@ class StepGraphs:
         return step.logits
 
     def _capture(self, step: _StaticStep) -> None:
-        label = f"step {step.num_drafts}+{step.num_verifies}: {step.reason}"
+        # The list-length hints its attention launches are planned for (split counts fixed in the graph).
+        draft = step.metadata.draft.get(self.first_sparse)
+        hints = ("" if draft is None else f"draft lists to {draft.max_len}, ") + f"full to {step.metadata.full.max_len}"
+        label = f"step {step.num_drafts}+{step.num_verifies} ({hints}): {step.reason}"
         step.graph, _ = self.captures.capture(lambda: self._run_forward(step), label, self.memory)
 
     def replay_latest(self, repeats: int) -> None:
@@ -480,7 +483,7 @@ class CaptureLog:
         return captured
 
     def by_reason(self) -> dict[str, list[float]]:
-        """``{why: [captures, seconds]}``: the labels without their bucket sizes."""
+        """``{why: [captures, seconds]}``: the labels without their bucket sizes and list-length hints."""
         totals: dict[str, list[float]] = {}
         for label, seconds in self.events:
             kind, _, why = label.partition(": ")

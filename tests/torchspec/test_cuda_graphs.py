@@ -27,13 +27,14 @@ OPTIONS = {"kv_capacity_tokens": 512, "k": 4, "min_budget": 6, "max_batch_size":
 
 
 def test_capture_log_totals_captures_by_kind_and_reason():
-    """The benchmark's breakdown of graph captures: bucket sizes dropped, kinds and reasons kept apart."""
+    """The benchmark's breakdown of graph captures: bucket sizes and list-length hints dropped, kinds and reasons
+    kept apart."""
     log = CaptureLog(
         events=[
             ("step 256+0: new bucket", 0.25),
             ("chain 256: new bucket", 0.5),
-            ("step 32+32: new bucket", 0.25),
-            ("chain 256: draft lists outgrew its buffer", 1.0),
+            ("step 32+32 (draft lists to 300, full to 8200): new bucket", 0.25),
+            ("chain 256 (lists to 4100): draft lists outgrew its buffer", 1.0),
         ]
     )
     assert log.by_reason() == {
