@@ -4,6 +4,7 @@ CUDA; run directly on the CPU) and give the dynamic path's tokens."""
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -42,6 +43,27 @@ def test_capture_log_totals_captures_by_kind_and_reason():
         "chain: new bucket": [1, 0.5],
         "chain: draft lists outgrew its buffer": [1, 1.0],
     }
+
+
+def test_a_capture_names_the_list_lengths_its_launches_were_planned_for(monkeypatch):
+    """A capture's label (a throughput record's ``graph_capture_events``) names the bucket, the list lengths its
+    attention launches were planned for (their split counts stay fixed in the graph) and why it was made. On a
+    CPU a "graph" here runs its forward again at each replay, so the step and chain graphs' capture paths run."""
+
+    class Eager:
+        def __init__(self, run) -> None:
+            self.replay = run
+
+    monkeypatch.setattr("torchspec.cuda_graphs.capture_graph", lambda run, pool=None: (Eager(run), run()))
+    model = tiny_spec("llama", 2).build()
+    wrapped = sparsespec.wrap(model, draft="pillar_recent", cuda_graphs=True, **OPTIONS)
+    runner = wrapped.engine.runner
+    runner.graphs.capture = runner.chain_graphs.capture = True
+    wrapped.generate(**Batch((12, 20)).kwargs(), max_new_tokens=24, do_sample=False)
+    labels = [label for label, _ in runner.graphs.captures.events]
+    step, chain = r"step \d+\+\d+ \((draft lists to \d+, )?full to \d+\): \w.*", r"chain \d+ \(lists to \d+\): \w.*"
+    assert labels and all(re.fullmatch(step, label) or re.fullmatch(chain, label) for label in labels), labels
+    assert any(label.startswith("chain") for label in labels) and any("draft lists to" in label for label in labels)
 
 
 def test_bucket_sizes_cover_every_batch_once():
