@@ -14,6 +14,9 @@
 #               (benchmarks/host_paced.py), its steps by ranges of 100 with the host's CPU time and the garbage
 #               collector's pauses (benchmarks/step_phases.py: where the host as a whole ran slower), and a steady
 #               stretch's host time by function (benchmarks/host_split.py), ~6 min on an H200
+#   drain       issue 14: where a draining W1 round's GPU time goes (pillar_recent at steps 1,150, 1,200 and 1,235:
+#               18, 6 and 2 running requests on session 46's H100), ~2.5 min; the w1 part's record names the list
+#               lengths each graph was captured for (graph_capture_events)
 #   sketch      issue 19: query_sketch against pillar_recent at 2,048 new tokens, where a query_sketch step's GPU time
 #               goes and its host's, and one layer's choice at W1's shapes (benchmarks/sketch_choice_micro.py), ~4 min
 # Records land in OUT_DIR as JSON lines (written as each setting ends, so a part cut at its limit keeps the
@@ -67,6 +70,7 @@ paced)
     python3 benchmarks/step_phases.py "$model" 8192 none "$out/step_phases_none.json" > "$out/step_phases_none.txt"
     python3 -m benchmarks.host_split "$model" 1800 none 300 1000 20 > "$out/host_split_none.txt"
     ;;
+drain) python3 benchmarks/gpu_busy_profile.py "$model" 8192 pillar_recent 1150,1200,1235 4 > "$out/gpu_busy_profile_drain.txt" ;;
 sketch)
     python3 -m torchspec.bench.throughput --model "$model" --prompts 256 --max-new-tokens 2048 --temperature 0.65 \
         --drafts pillar_recent query_sketch --out "$out/query_sketch_2048.jsonl"
@@ -74,5 +78,5 @@ sketch)
     python3 -m benchmarks.host_cprofile "$model" 2048 query_sketch 60 6 > "$out/host_cprofile_query_sketch.txt"
     (cd benchmarks && python3 sketch_choice_micro.py > "$out/sketch_choice_micro.jsonl")
     ;;
-*) echo "unknown part $part: tests, w1, w3, w3-natural, profile, paced or sketch" >&2; exit 2 ;;
+*) echo "unknown part $part: tests, w1, w3, w3-natural, profile, paced, drain or sketch" >&2; exit 2 ;;
 esac
