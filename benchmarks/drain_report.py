@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from torchspec.bench.records import record_setting
+from torchspec.engine import HOST_PHASES
 
 
 def drain_table(record: dict) -> str:
@@ -27,8 +28,8 @@ def drain_table(record: dict) -> str:
         f"{record_setting(record)} on {record['device']} (tree {record.get('tree')}): "
         f"{record['tokens_per_s']:,.0f} tok/s, {record['steps']} steps in {record['seconds']:.1f} s",
         "",
-        "| running requests | steps | seconds | ms a step | share of the run | host ms a step: schedule / launch / "
-        "read-back wait / commit |",
+        "| running requests | steps | seconds | ms a step | share of the run | host ms a step: "
+        f"{' / '.join(HOST_PHASES)} |",
         "|---|---|---|---|---|---|",
     ]
     bounds = [bucket["batch_from"] for bucket in buckets]
@@ -36,7 +37,8 @@ def drain_table(record: dict) -> str:
         span = f"{bucket['batch_from']}" if upper is None else f"{bucket['batch_from']}-{upper - 1}"
         seconds, steps = bucket["seconds"], bucket["steps"]
         # Records before session 46 kept no host phases by batch size.
-        host = " / ".join(f"{ms:.1f}" for ms in bucket.get("host_ms_per_step", {}).values()) or "-"
+        host = bucket.get("host_ms_per_step")
+        host = " / ".join(f"{host[phase]:.1f}" for phase in HOST_PHASES) if host else "-"
         lines.append(
             f"| {span} | {steps} | {seconds:.2f} | {1000 * seconds / steps:.1f} | {seconds / total:.0%} | {host} |"
         )

@@ -191,8 +191,9 @@ class StepTimeline:
         many of those steps ran rounds (with drafts) and of what mean length, and the host's milliseconds a step
         in each phase (``HOST_PHASES``): a step whose host waits on the read-back is paced by the GPU, one whose
         schedule, launch and commit fill its time by the host."""
-        phases = len(HOST_PHASES)
-        cumulative = [row[-phases:] for row in self.trace]  # the host's ms so far in each phase, after each step
+        phases, first = len(HOST_PHASES), TRACE_FIELDS.index(HOST_TRACE_FIELDS[0])
+        # The host's ms so far in each phase, after each step (the trace's ``HOST_TRACE_FIELDS``).
+        cumulative = [row[first : first + phases] for row in self.trace]
         host = [
             [now - then for now, then in zip(*pair, strict=True)]
             for pair in zip(cumulative, [(0.0,) * phases, *cumulative[:-1]], strict=True)
