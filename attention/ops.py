@@ -38,6 +38,7 @@ def _paged_attention(
     num_scored_queries: torch.Tensor | None,
     max_scored_queries: int | None,
     kv_ends: torch.Tensor | None,
+    live_requests: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     first_lists = (
         FirstLists(num_first, first_indptr, first_indices, first_max_q_len, first_max_kv_len, first_ends)
@@ -60,6 +61,7 @@ def _paged_attention(
         num_scored_queries=num_scored_queries,
         max_scored_queries=max_scored_queries,
         kv_ends=kv_ends,
+        live_requests=live_requests,
     )
 
 
@@ -85,6 +87,7 @@ def paged_attention(
     num_scored_queries: torch.Tensor | None = None,
     max_scored_queries: int | None = None,
     kv_ends: torch.Tensor | None = None,
+    live_requests: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`attention.reference.paged_attention`; the keyword hints spare the kernel a device sync."""
     first = first_lists if first_lists is not None else FirstLists(0, None, None)
@@ -104,6 +107,7 @@ def paged_attention(
         num_scored_queries,
         max_scored_queries,
         kv_ends,
+        live_requests,
     )
 
 

@@ -265,6 +265,24 @@ def _attend_work(
     tl.store(Lse + tok * stride_lt + q_head * stride_lh + split * stride_ls, lse, mask=row_valid)
 
 
+@triton.jit
+def _replay_plan(live_requests, tiles_first, splits_first, tiles_second, splits_second, num_kv_heads, resident,
+                 max_splits):  # fmt: skip
+    """Requests and split counts of a launch replayed from a CUDA graph, whose grid and split counts were fixed at
+    capture for a bucket of requests: ``live_requests`` holds how many of each list set's requests are real (a
+    prefix; the rest are padding with empty lists). When the real requests' programs at the capture's split counts
+    leave most of a wave of ``resident`` programs idle (two requests replaying a bucket of 32), both counts grow by
+    the whole number of times those programs fit the wave (at most ``max_splits``), so a few long lists are read by
+    many programs at once rather than block after block by a few. Returns (first set's requests, its splits,
+    second set's requests, its splits)."""
+    live_first = tl.load(live_requests).to(tl.int32)
+    live_second = tl.load(live_requests + 1).to(tl.int32)
+    programs = (live_first * tiles_first * splits_first + live_second * tiles_second * splits_second) * num_kv_heads
+    scale = tl.maximum(resident // tl.maximum(programs, 1), 1)
+    return (live_first, tl.minimum(splits_first * scale, max_splits), live_second,
+            tl.minimum(splits_second * scale, max_splits))  # fmt: skip
+
+
 # Per-step counts, list lengths and output strides (their values change with every batch): left unspecialised, so a
 # new batch composition never compiles a new variant (Triton otherwise specialises an int on being 1 or a
 # multiple of 16; on W1 such variants cost seconds of compilation in the first steps).
@@ -288,7 +306,8 @@ _PER_STEP = [
 # Arrays a program reads a few scalars of: aligned loads buy nothing, and as rows of a graph's per-forward buffers
 # (a chain graph's list ends, [forwards, D']) or views one past an indptr's start (its ends) their addresses vary
 # in alignment, so Triton would compile each kernel twice (1-4 s apiece on an H200, mid-run).
-_SCALAR_ARRAYS = ["cu_seqlens_q", "indptr_first", "ends_first", "indptr_second", "ends_second", "num_scored"]
+_SCALAR_ARRAYS = ["cu_seqlens_q", "indptr_first", "ends_first", "indptr_second", "ends_second", "num_scored",
+                  "live_requests"]  # fmt: skip
 
 
 @triton.jit(
@@ -343,6 +362,9 @@ def _attention_kernel(
     num_scored,
     stride_mh,
     stride_mb,
+    live_requests,
+    resident,
+    max_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -356,13 +378,23 @@ def _attention_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SCORED: tl.constexpr,
+    LIVE: tl.constexpr,
 ):
     """A flat grid of work items: the second list set's first (shared full lists: the long verify, decode
     and prefill work), then the first set's (short sparse drafts), so the GPU starts the longest programs
     first and the short ones fill in behind them. Each set has its own row tile and split count, and writes
     where its host side says: straight to the output when it is not split. A set without requests is compiled
-    out: its code would otherwise count towards the registers and shared memory of every program."""
+    out: its code would otherwise count towards the registers and shared memory of every program.
+    ``LIVE``: a graph's replay, whose real requests and split counts are read from the device (``_replay_plan``);
+    programs past their work exit, and both sets write split outputs."""
     pid = tl.program_id(0)
+    if LIVE:
+        live_first, splits_first, live_second, splits_second = _replay_plan(
+            live_requests, tiles_first, splits_first, tiles_second, splits_second, num_kv_heads, resident, max_splits
+        )
+        programs_second = live_second * tiles_second * num_kv_heads * splits_second
+        if pid >= programs_second + live_first * tiles_first * num_kv_heads * splits_first:
+            return
     if pid < programs_second:
         if HAS_SECOND:
             _attend_work(
@@ -384,8 +416,10 @@ def _attention_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["num_first", "splits_first", "splits_second", "stride_pt", "stride_ph", "stride_ps", "stride_lt"]
-)
+    do_not_specialize=["num_first", "splits_first", "splits_second", "stride_pt", "stride_ph", "stride_ps", "stride_lt",
+                       "tiles_first", "tiles_second"],
+    do_not_specialize_on_alignment=["cu_seqlens_q", "live_requests"],
+)  # fmt: skip
 def _merge_splits_kernel(
     PartOut,
     PartLse,
@@ -395,6 +429,12 @@ def _merge_splits_kernel(
     num_first,
     splits_first,
     splits_second,
+    live_requests,
+    tiles_first,
+    tiles_second,
+    num_kv_heads,
+    resident,
+    max_splits,
     num_heads,
     stride_pt,
     stride_ph,
@@ -407,13 +447,23 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    LIVE: tl.constexpr,
 ):
     """One token, ``BLOCK_H`` of its heads: combine the splits' normalised outputs by their LSE weights. Tokens of
     a list set that was not split were written straight to the output by the attention kernel. (A program per
-    (token, head) took 20 us a layer for a verify's 2,304 x 9 rows on an H100.)"""
+    (token, head) took 20 us a layer for a verify's 2,304 x 9 rows on an H100.) ``LIVE``: the replay's split
+    counts, as the attention kernel read them (every set was split there); tokens of no real request get a zero
+    output and a -inf LSE."""
     token = tl.program_id(0)
-    num_splits = tl.where(token < tl.load(cu_seqlens_q + num_first), splits_first, splits_second)
-    if num_splits == 1:
+    in_first = token < tl.load(cu_seqlens_q + num_first)
+    num_splits = tl.where(in_first, splits_first, splits_second)
+    if LIVE:
+        live_first, splits_first, live_second, splits_second = _replay_plan(
+            live_requests, tiles_first, splits_first, tiles_second, splits_second, num_kv_heads, resident, max_splits
+        )
+        live_end = tl.load(cu_seqlens_q + tl.where(in_first, live_first, num_first + live_second))
+        num_splits = tl.where(token < live_end, tl.where(in_first, splits_first, splits_second), 0)
+    elif num_splits == 1:
         return
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     splits = tl.arange(0, BLOCK_S)
@@ -495,11 +545,12 @@ def _split_counts(sets: tuple[tuple[int, int], ...], resident: int, min_chunk: i
 def _planned_splits(
     kernel, device: torch.device, config: tuple, lists: tuple[tuple[int, int], ...], block_n: int,
     args_for: Callable[[tuple[int, ...]], list], constexprs: dict, overhead: int = SPLIT_OVERHEAD_BLOCKS,
-) -> tuple[int, ...]:  # fmt: skip
+) -> tuple[tuple[int, ...], int]:  # fmt: skip
     """Split count per list set (``(programs per split, longest list in entries)`` each) of a launch of
     ``kernel``, planned against the programs its compiled form keeps resident: on a GPU read once per device and
     configuration (``config``: dtypes and compile-time constants) from the binary, compiled from the arguments
-    ``args_for`` gives the nominal plan; without a GPU the nominal count."""
+    ``args_for`` gives the nominal plan; without a GPU the nominal count. Returns the counts and the resident
+    programs they were planned for."""
     sizes = tuple((programs, triton.cdiv(length, block_n)) for programs, length in lists)
     min_chunk = triton.cdiv(MIN_SPLIT_ENTRIES, block_n)
     resident = NOMINAL_RESIDENT_PROGRAMS
@@ -510,7 +561,7 @@ def _planned_splits(
             compiled = kernel.warmup(*args_for(nominal), grid=(1,), **constexprs)
             _RESIDENT[key] = _resident_programs(compiled, torch.cuda.get_device_properties(device))
         resident = _RESIDENT[key]
-    return _split_counts(sizes, resident, min_chunk, overhead)
+    return _split_counts(sizes, resident, min_chunk, overhead), resident
 
 
 def _resident_programs(compiled, props) -> int:
@@ -624,6 +675,7 @@ def paged_attention(
     launch: LaunchConfig | None = None,
     split_overhead: int = SPLIT_OVERHEAD_BLOCKS,
     kv_ends: torch.Tensor | None = None,
+    live_requests: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`attention.reference.paged_attention` (same arguments and results).
 
@@ -634,6 +686,12 @@ def paged_attention(
     ``num_splits`` forces the KV split count, of both list sets or ``(first, second)``; ``launch`` the tile
     and pipeline shape; ``split_overhead`` is the split planner's per-program cost in blocks (tests and the
     kernel benchmark's sweeps; by default the planner and ``_launch_config`` choose).
+
+    ``live_requests`` (``[2]`` on the device) marks a launch a CUDA graph replays for fewer requests than it was
+    captured with: how many of the first set's requests and of the others' are real (a prefix of each; the rest
+    have empty lists). The split counts planned here for every request then grow on the device to fill a wave
+    with the real ones (``_replay_plan``), into partial outputs with room for ``MAX_SPLITS``; the merge always
+    runs and gives the padding requests' tokens a zero output.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
@@ -701,31 +759,39 @@ def paged_attention(
         num_stages=launch.num_stages,
     )
 
-    def bind(splits: tuple[int, ...]) -> tuple[int, list, tuple[torch.Tensor, torch.Tensor] | None]:
+    live = live_requests is not None
+
+    def bind(
+        splits: tuple[int, ...], resident: int = NOMINAL_RESIDENT_PROGRAMS
+    ) -> tuple[int, list, tuple[torch.Tensor, torch.Tensor] | None]:
         """The launch's program count, its arguments and the splits' partial outputs (None: nothing split)."""
         part = None
-        if max(splits) > 1:
-            shape = (num_tokens, num_heads, max(splits))
+        if live or max(splits) > 1:  # room for a replay's counts, which grow on the device up to MAX_SPLITS
+            shape = (num_tokens, num_heads, MAX_SPLITS if live else max(splits))
             part = (torch.empty(*shape, head_dim, dtype=torch.float32, device=device),
                     torch.empty(shape, dtype=torch.float32, device=device))  # fmt: skip
         direct = (out[:, :, None], lse[:, :, None])
         sets = [
-            _ListSet(requests[i], *lists[i], tiles[i], splits[i], *(part if splits[i] > 1 else direct))
+            _ListSet(requests[i], *lists[i], tiles[i], splits[i], *(part if live or splits[i] > 1 else direct))
             for i in range(2)
         ]
         programs = [s.num_requests * s.tiles * num_kv_heads * s.splits for s in sets]
         args = [query, k_cache, v_cache, cu_seqlens_q, num_first, programs[1], num_kv_heads, *sets[1].args(),
                 *sets[0].args(), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
                 v_cache.stride(0), v_cache.stride(1), scale * LOG2E, sliding_window or 0, mass, num_scored_queries,
-                mass.stride(0), mass.stride(1) if mass.dim() > 1 else 0]  # fmt: skip
-        return sum(programs), args, part
+                mass.stride(0), mass.stride(1) if mass.dim() > 1 else 0, live_requests if live else cu_seqlens_q,
+                resident, MAX_SPLITS]  # fmt: skip
+        # A replay's programs fill at most a wave, or the capture's own (``_replay_plan``).
+        return max(sum(programs), resident) if live else sum(programs), args, part
 
+    constexprs["LIVE"] = live
     if num_splits is not None:
         splits = num_splits if isinstance(num_splits, tuple) else (num_splits, num_splits)
+        resident = NOMINAL_RESIDENT_PROGRAMS
     else:
         sizes = tuple((r * t * num_kv_heads, n) for r, t, n in zip(requests, tiles, kv_lens, strict=True))
         config = (query.dtype, k_cache.dtype, *constexprs.items())
-        planned = _planned_splits(
+        planned, resident = _planned_splits(
             _attention_kernel,
             device,
             config,
@@ -738,11 +804,11 @@ def paged_attention(
         # A set with no programs is not split: its outputs stay the direct ones whatever its list-length hint,
         # so their pointer type (part of a compiled variant's key) follows which sets run, not the hint.
         splits = tuple(n if r * t else 1 for n, r, t in zip(planned, requests, tiles, strict=True))
-    programs, args, part = bind(splits)
+    programs, args, part = bind(splits, resident)
     _attention_kernel[(programs,)](*args, **constexprs)
     if part is not None:
         part_out, part_lse = part
-        block_s, block_d = max(2, triton.next_power_of_2(max(splits))), _block_d(head_dim)
+        block_s, block_d = max(2, triton.next_power_of_2(part_lse.shape[2])), _block_d(head_dim)
         block_h = min(triton.next_power_of_2(num_heads), max(1, MERGE_TILE // (block_s * block_d)))
         _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
             part_out,
@@ -753,6 +819,12 @@ def paged_attention(
             num_first,
             splits[0],
             splits[1],
+            live_requests if live else cu_seqlens_q,
+            tiles[0],
+            tiles[1],
+            num_kv_heads,
+            resident,
+            MAX_SPLITS,
             num_heads,
             part_out.stride(0),
             part_out.stride(1),
@@ -765,5 +837,6 @@ def paged_attention(
             BLOCK_D=block_d,
             BLOCK_S=block_s,
             BLOCK_H=block_h,
+            LIVE=live,
         )
     return out, lse

@@ -112,6 +112,7 @@ def paged_attention(
     num_scored_queries: torch.Tensor | None = None,
     max_scored_queries: int | None = None,
     kv_ends: torch.Tensor | None = None,
+    live_requests: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a packed batch over per-request slot lists.
 
@@ -136,6 +137,10 @@ def paged_attention(
     sum over those queries and the head's GQA group, in list order; entries past the list are left as they were.
     Full lists only (shared, no window). ``max_scored_queries`` bounds the counts (a launch hint); a request's
     scored queries times ``group`` may not exceed ``MAX_SCORED_ROWS``.
+
+    ``live_requests`` (``[2]``): how many of the first lists' requests and of the others' are real, the rest
+    padding with empty lists (a CUDA graph's replay of fewer requests than it holds): a hint the kernels split
+    the real requests' lists by; here padding requests' tokens get what an empty list gives (zeros, -inf).
     """
     if first_lists is not None:
         num_first, first_indptr, first_indices = first_lists[:3]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchspec.cuda_graphs import GraphPool, SharedStorage, StepGraphs, held_bucket
+from torchspec.cuda_graphs import GraphPool, LiveRequests, SharedStorage, StepGraphs, held_bucket
 from torchspec.draft_lists import DraftChoice, RoundLists
 from torchspec.draft_probs import KeptDistributions
 from torchspec.draft_sampling import DraftSampling
@@ -87,6 +87,7 @@ class _ChainStep:
     cu_seqlens_q: torch.Tensor  # [D' + 1]: one query per request (also the kept logits rows)
     store: KeptDistributions  # the draft-probs store's tensors the graphs write (a new store: new captures)
     samplers: dict[tuple, _Sampler]  # by ``DraftSampling.layout()``
+    live: LiveRequests | None  # its real requests (and no verifies), in a small bucket
 
 
 class ChainGraphs:
@@ -168,6 +169,7 @@ class ChainGraphs:
             cu_seqlens_q=torch.arange(size + 1, device=self.device),
             store=store,
             samplers={},
+            live=LiveRequests.of((size,), self.device),
         )
 
     def _fill(self, step: _ChainStep, sampler: _Sampler, inputs: ChainInputs, count: int, spare_row: int) -> None:
@@ -175,6 +177,8 @@ class ChainGraphs:
         requests get empty lists, the scratch slot and the spare store row."""
         forwards = inputs.forwards
         step.forward.fill_(1)
+        if step.live is not None:
+            step.live.count(count, 0)
         step.tokens[0, :count] = inputs.first_tokens
         step.positions[:forwards, :count] = inputs.positions
         step.slots[:forwards].fill_(self.pool.scratch_slot)
@@ -214,6 +218,7 @@ class ChainGraphs:
             draft=draft,
             draft_choice=choice,
             max_q_len=1,
+            live_requests=None if step.live is None else step.live.tensor,
         )
         with forward_context(PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)):
             output = self.forward(

@@ -13,7 +13,8 @@ Static layout of a bucket (D' drafts, V' verifies, q tokens each): tokens ``[D r
 drafts | verify tokens | padding]``; padding drafts own one token, an empty slot list and the scratch slot;
 padding verifies own no token and an empty list; trailing padding tokens belong to no request (their rows
 are computed and never read). Exact on replay because the kernels read every query offset and list length
-from the device and adapt their split sizes to them; the launch hints fixed at capture only affect speed.
+from the device and adapt their split sizes to them (and, in a small bucket, their split counts to its real
+requests: ``LiveRequests``); the launch hints fixed at capture only affect speed.
 On a CPU the same static path runs without capture (tested in CI: same tokens as the dynamic path).
 
 A plain step of a ``PlainBatch`` (torchspec/plain_batch.py) goes further: its graph also builds the step's inputs
@@ -84,6 +85,28 @@ def held_bucket(counts: tuple[int, ...], sizes: Sequence[int], made: Collection[
     return min(holding, key=sum, default=own)
 
 
+class LiveRequests:
+    """How many drafts and other requests of a small bucket's step are real, on the device where its attention
+    reads them (``AttentionMetadata.live_requests``): a bucket of at most ``SMALL_BUCKET`` requests in every
+    dimension replays steps of 1 to 32 requests, and the split counts fixed at its capture were planned for all of
+    its rows (at 2 requests in a bucket of 32, 5-11 splits where 32 fill the GPU); its attention grows them to
+    fill a wave with the real ones. Larger buckets replay steps of at least half their size and have none."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.tensor = torch.zeros(2, dtype=torch.int64, device=device)
+        self._held = (0, 0)
+
+    @staticmethod
+    def of(bucket: tuple[int, ...], device: torch.device) -> LiveRequests | None:
+        return LiveRequests(device) if max(bucket) <= SMALL_BUCKET else None
+
+    def count(self, drafts: int, others: int) -> None:
+        """The step's real requests, written when they change (a copy costs the host a dispatch)."""
+        if self._held != (drafts, others):
+            self.tensor.copy_(to_device([drafts, others], self.tensor.device))
+            self._held = (drafts, others)
+
+
 class SharedStorage:
     """One flat storage that the buffers of graphs never running at the same time take views of: each is filled
     before its graph replays, or written by its graph and read before the next forward runs (one stream). A
@@ -130,6 +153,7 @@ class _StaticStep:
     plain: PlainBatch | None = None
     plain_source: PlainBatch | None = None
     tokens: torch.Tensor | None = None  # [T']
+    live: LiveRequests | None = None  # its real requests (``metadata.live_requests``), in a small bucket
 
 
 class StepGraphs:
@@ -230,6 +254,8 @@ class StepGraphs:
         if reason is not None:
             step = self._remake(key, step, reason, full_count, max_list_len, batch=batch)
         self._keep(step, np.arange(count))
+        if step.live is not None:
+            step.live.count(0, count)
         if step.plain_source is not batch:
             batch.copy_into(step.plain)
             step.plain_source = batch
@@ -324,6 +350,7 @@ class StepGraphs:
         mass, mass_layers = None, {}
         if scored:
             mass, mass_layers = self._mass_buffer(num_verifies, full_hint)
+        live = LiveRequests.of((num_drafts, num_verifies), self.device)
         metadata = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), self.pool.scratch_slot, dtype=torch.int64, device=self.device),
             cu_seqlens_q=cu_seqlens_q,
@@ -337,6 +364,7 @@ class StepGraphs:
             max_scored_queries=self.scored_queries,
             mass=mass,
             mass_layers=mass_layers,
+            live_requests=None if live is None else live.tensor,
         )
         return _StaticStep(
             num_drafts=num_drafts,
@@ -350,6 +378,7 @@ class StepGraphs:
             draft_lists=draft_lists,
             plain=None if batch is None else batch.buffers(num_tokens),
             tokens=None if batch is None else zeros(num_tokens),
+            live=live,
         )
 
     def _mass_buffer(self, num_verifies: int, width: int) -> tuple[torch.Tensor, dict[int, int]]:
@@ -387,6 +416,8 @@ class StepGraphs:
         shift = padded_drafts - drafts
         rows = np.asarray(rows, dtype=np.int64)
         self._keep(step, np.where(rows < drafts, rows, rows + shift))
+        if step.live is not None:
+            step.live.count(drafts, metadata.full.kv_indptr.shape[0] - 1)
         if metadata.draft_choice is not None:
             metadata.draft_choice.copy_into(static.draft_choice)
         elif drafts:

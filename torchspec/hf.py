@@ -74,6 +74,9 @@ class AttentionMetadata:
     # one buffer for all layers, which the draft policy reads in place (no per-layer slices, no stacked copy).
     mass: torch.Tensor | None = None
     mass_layers: dict[int, int] = field(default_factory=dict)  # full-attention layer -> its index in ``mass``
+    # [2] on the device: the real drafts and other requests of a graph's bucket, which replays steps of fewer
+    # requests than it holds (the rest padding): full-attention layers split the real ones' lists by it.
+    live_requests: torch.Tensor | None = None
 
 
 def verify_mass_shape(layer_heads: dict[int, int], verifies: int, width: int) -> tuple[int, int, int, int]:
@@ -198,6 +201,7 @@ class PagedForwardContext:
             num_scored_queries=meta.num_scored_queries,
             max_scored_queries=meta.max_scored_queries,
             kv_ends=meta.full.kv_ends,
+            live_requests=meta.live_requests,
         )[0]
 
 

@@ -572,6 +572,45 @@ def test_fused_list_sets_split_on_their_own(num_splits):
     _check((out[2:], lse[2:]), expected_full)
 
 
+def _padded_bucket(batch: _Batch, first: FirstLists, full_indptr: torch.Tensor, trailing: int):
+    """``_fused_batch``'s launch as a graph's bucket replays it: two padding drafts (a token each, empty lists)
+    after its drafts, a padding verify (no token, an empty list) after its others and ``trailing`` tokens of no
+    request, every query row of padding filled with garbage. Returns the query, its ``cu_seqlens_q``, the drafts'
+    and the others' list offsets and where each real token's row lies in it."""
+    g = torch.Generator().manual_seed(42)
+    drafts, others = batch.query[:2], batch.query[2:]
+    pad = lambda n: torch.randn(n, *batch.query.shape[1:], generator=g) * 100  # noqa: E731
+    query = torch.cat([drafts, pad(2), others, pad(trailing)])
+    q_lens = [1, 1, 1, 1, *(q for q, _ in batch.lens[2:]), 0]
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    draft_indptr = torch.cat([first.kv_indptr, first.kv_indptr[-1:].repeat(2)])
+    indptr = torch.cat([full_indptr, full_indptr[-1:]])
+    rows = torch.cat([torch.arange(2), torch.arange(4, 4 + others.shape[0])])
+    return query, cu_seqlens_q, draft_indptr, indptr, rows
+
+
+@pytest.mark.parametrize(("live", "num_splits"), [((2, 2), None), ((2, 2), (1, 2)), ((1, 1), None), ((2, 0), None)])
+def test_a_replayed_bucket_splits_its_real_requests_lists_on_the_device(live, num_splits):
+    """``live_requests`` (a small graph bucket replayed for fewer requests than it holds): the kernel reads how many
+    drafts and others are real, grows the split counts planned for the whole bucket to fill a wave with them (up
+    to 64 splits of these short lists, most of them empty) and skips the rest: the real requests' tokens get what
+    the unpadded launch gives, every padding or trailing token a zero output and a -inf LSE, whatever garbage its
+    query rows hold. With fewer real requests than were filled in, the ones past the count are padding too."""
+    batch, full_indptr, full_indices, first, expected_drafts, expected_full = _fused_batch()
+    query, cu_seqlens_q, draft_indptr, indptr, rows = _padded_bucket(batch, first, full_indptr, trailing=2)
+    hints = {} if num_splits is None else {"num_splits": num_splits}
+    out, lse = IMPLEMENTATIONS["triton"](
+        query, batch.k_cache, batch.v_cache, cu_seqlens_q, indptr, full_indices, batch.scale,
+        first_lists=FirstLists(4, draft_indptr, first.kv_indices), live_requests=torch.tensor(live), **hints,
+    )  # fmt: skip
+    expected_out, expected_lse = torch.zeros_like(query), torch.full(query.shape[:2], -math.inf)
+    other_tokens = [0, 9, 10][live[1]]  # the verify's 9 tokens, then the decode's one
+    real = torch.cat([rows[: live[0]], rows[2 : 2 + other_tokens]])
+    unpadded = [torch.cat([drafts, others]) for drafts, others in zip(expected_drafts, expected_full, strict=True)]
+    expected_out[real], expected_lse[real] = (part[torch.isin(rows, real)] for part in unpadded)
+    _check((out, lse), (expected_out, expected_lse))
+
+
 def _expected_mass(batch: _Batch, scored: list[int], width: int) -> torch.Tensor:
     """Dense verify mass ``[Hkv, requests, width]``: per entry, ``exp(logit - the larger of the first and last
     entries' logits)`` summed over each request's last ``scored`` queries and its group's heads (entries a query

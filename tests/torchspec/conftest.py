@@ -235,6 +235,16 @@ def generate_checking_key_sketches(wrapped: Any, batch: Batch, **generate_kwargs
 Reference = Callable[..., torch.Tensor]
 
 
+@pytest.fixture
+def small_wave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter runs one program at a time: a nominal wave of 12 programs (not an H200's 528) keeps quick
+    the grids of graph replays, which grow to fill a wave (``paged._replay_plan``)."""
+    if not torch.cuda.is_available():
+        from attention import paged
+
+        monkeypatch.setattr(paged, "NOMINAL_RESIDENT_PROGRAMS", 12)
+
+
 @pytest.fixture(scope="session")
 def hf_reference() -> Reference:
     """``hf_reference(spec, batch, **generate_kwargs)``: transformers' own greedy ``generate`` output, run on a

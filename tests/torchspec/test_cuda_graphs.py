@@ -96,8 +96,8 @@ def test_a_step_replays_a_bucket_made_within_twice_its_own_or_a_small_one():
 
 def test_a_draining_batch_replays_the_buckets_it_made():
     """Eight requests finishing one after another pass through buckets of 8, 4, 2 and 1 verifies: every step
-    replays the bucket of 8 (at most ``SMALL_BUCKET`` requests: a GPU captures one graph, not four), and the tokens
-    are the dynamic path's."""
+    replays the bucket of 8 (at most ``SMALL_BUCKET`` requests: a GPU captures one graph, not four), where its
+    attention reads how many of them are real (the last step: one), and the tokens are the dynamic path's."""
     spec, batch = tiny_spec("llama", 2), Batch((5, 9, 4, 7, 6, 8, 3, 10), seed=2)
     model = spec.build()
     options = {"kv_capacity_tokens": 512, "max_batch_size": 8}
@@ -115,6 +115,8 @@ def test_a_draining_batch_replays_the_buckets_it_made():
 
     engine, tokens = run(cuda_graphs=True)
     assert {key[:2] for key in engine.runner.graphs._steps} == {(0, 8)}  # (key[2]: the plain batch's layout)
+    (step,) = engine.runner.graphs._steps.values()
+    assert step.metadata.live_requests is step.live.tensor and step.live.tensor.tolist() == [0, 1]
     assert tokens == run(cuda_graphs=False)[1]
 
 
@@ -338,6 +340,7 @@ def _specialization(function, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts launches in Triton's CPU interpreter")
 @pytest.mark.parametrize("draft", ["pillar_recent", "query_sketch"])
+@pytest.mark.usefixtures("small_wave")
 def test_a_shrinking_batch_compiles_each_kernel_once(monkeypatch, draft):
     """Sampled speculation (its chains in the chain graph) while a batch drains through its buckets: every
     launch of a kernel with the same constexprs has one specialization key, so a GPU compiles it once. W1 on an H200

@@ -12,7 +12,8 @@ import torch
 from tests.torchspec.conftest import Batch, generate_checking_key_sketches, tiny_spec
 from torchspec import sparsespec
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = pytest.mark.usefixtures("single_thread", "small_wave")
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BATCH = Batch((9, 30, 17), seed=5)
