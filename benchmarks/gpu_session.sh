@@ -17,6 +17,11 @@
 #   drain       issue 14: where a draining W1 round's GPU time goes (pillar_recent at steps 1,150, 1,200 and 1,235:
 #               18, 6 and 2 running requests on session 46's H100), ~2.5 min; the w1 part's record names the list
 #               lengths each graph was captured for (graph_capture_events)
+#   against     W1 of one setting on another tree, then on this one, back to back on one machine (run-to-run noise on
+#               one machine is ~3%, between machines more): PART DIR [SETTING], DIR holding the other tree's attention/
+#               and torchspec/ (git archive REF attention torchspec | tar x -C DIR), SETTING by default pillar_recent,
+#               each after w1_warm.sh's warm-ups, ~6 min on an H100. The other tree runs from inside DIR: python -m
+#               imports from the current directory before PYTHONPATH (session 47's first two such runs ran this tree)
 #   sketch      issue 19: query_sketch against pillar_recent at 2,048 new tokens, where a query_sketch step's GPU time
 #               goes and its host's, and one layer's choice at W1's shapes (benchmarks/sketch_choice_micro.py), ~4 min
 # Records land in OUT_DIR as JSON lines (written as each setting ends, so a part cut at its limit keeps the
@@ -78,5 +83,12 @@ sketch)
     python3 -m benchmarks.host_cprofile "$model" 2048 query_sketch 60 6 > "$out/host_cprofile_query_sketch.txt"
     (cd benchmarks && python3 sketch_choice_micro.py > "$out/sketch_choice_micro.jsonl")
     ;;
-*) echo "unknown part $part: tests, w1, w3, w3-natural, profile, paced, drain or sketch" >&2; exit 2 ;;
+against)
+    [ -d "${settings[0]}" ] || { echo "against: give the other tree's directory after the part" >&2; exit 2; }
+    other=$(cd "${settings[0]}" && pwd) here=$PWD setting=${settings[1]:-pillar_recent}
+    (cd "$other" && PYTHONPATH="$other:${PYTHONPATH:-}" bash "$here/benchmarks/w1_warm.sh" "$model" "$out/w1_other.jsonl" \
+        "$setting")
+    bash benchmarks/w1_warm.sh "$model" "$out/w1.jsonl" "$setting"
+    ;;
+*) echo "unknown part $part: tests, w1, w3, w3-natural, profile, paced, drain, against or sketch" >&2; exit 2 ;;
 esac
