@@ -310,8 +310,10 @@ _SCALAR_ARRAYS = ["cu_seqlens_q", "indptr_first", "ends_first", "indptr_second",
                   "live_requests"]  # fmt: skip
 
 
+# ``resident`` (the wave a launch is planned for) is read from the binary of a first compile planned for the nominal
+# wave: specialised, the real launch compiled a second variant whenever the two differ in being a multiple of 16.
 @triton.jit(
-    do_not_specialize=["num_first", "programs_second", "window", "stride_mh", "stride_mb", *_PER_STEP],
+    do_not_specialize=["num_first", "programs_second", "window", "stride_mh", "stride_mb", "resident", *_PER_STEP],
     do_not_specialize_on_alignment=_SCALAR_ARRAYS,
 )
 def _attention_kernel(
@@ -417,7 +419,7 @@ def _attention_kernel(
 
 @triton.jit(
     do_not_specialize=["num_first", "splits_first", "splits_second", "stride_pt", "stride_ph", "stride_ps", "stride_lt",
-                       "tiles_first", "tiles_second"],
+                       "tiles_first", "tiles_second", "resident"],
     do_not_specialize_on_alignment=["cu_seqlens_q", "live_requests"],
 )  # fmt: skip
 def _merge_splits_kernel(

@@ -1,7 +1,9 @@
-"""Shared fixtures: the embedded SmolLM2 model (loaded once per session and worker) and a one-thread guard."""
+"""Shared fixtures: the embedded SmolLM2 model (loaded once per session and worker) and a one-thread guard; and
+the model of how Triton specialises a launch."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
 
@@ -33,3 +35,25 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def triton_specialization(function, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """A launch's constexprs and the specialization key Triton's JIT would compile it under (its rule,
+    modelled): each pointer's 16-byte alignment and each int's being 1 or a multiple of 16, unless the kernel
+    opts that argument out (``do_not_specialize_on_alignment``, ``do_not_specialize``). Two launches with the
+    same constexprs and different keys are two compiles on a GPU."""
+    parameters = inspect.signature(function.fn).parameters
+    unaligned = set(function.kwargs.get("do_not_specialize_on_alignment") or ())
+    unspecialized = set(function.kwargs.get("do_not_specialize") or ())
+    # Positional arguments first (constexprs usually come as keywords after them).
+    values = dict(zip(function.arg_names, args, strict=False)) | {n: kwargs[n] for n in parameters if n in kwargs}
+    constexprs, key = [], []
+    for name, parameter in parameters.items():
+        value = values.get(name)
+        if "constexpr" in str(parameter.annotation):
+            constexprs.append((name, value))
+        elif isinstance(value, torch.Tensor) and name not in unaligned:
+            key.append((name, value.data_ptr() % 16 == 0))
+        elif type(value) is int and name not in unspecialized:
+            key.append((name, value == 1, value % 16 == 0))
+    return (function.fn.__name__, *constexprs), tuple(key)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from attention import flex, paged, reference
 from attention.reference import FirstLists, store_kv
+from tests.conftest import triton_specialization
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -459,8 +460,28 @@ def test_a_forced_split_count_reaches_every_launch(monkeypatch):
     monkeypatch.setattr(paged, "_merge_splits_kernel", _Recording(merge, merges))
     result = batch.run(IMPLEMENTATIONS["triton"], *batch.shared_lists(), None, num_splits=3)
     _check(result, batch.expected_shared(None))
-    values = dict(zip(merge.arg_names, merges[0], strict=False))
+    values = dict(zip(merge.arg_names, merges[0][0], strict=False))
     assert (values["splits_first"], values["splits_second"]) == (3, 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="models the specialization of interpreted launches")
+def test_a_configuration_compiles_once_whatever_wave_it_is_planned_for(monkeypatch):
+    """On a GPU the planner compiles a kernel configuration with the nominal wave (528 programs) only to read how
+    many of its programs the GPU holds at once, then launches it with that count (396 where 3 fit each of 132
+    SMs): the count is left unspecialised, so both launches are one compiled variant of each kernel. Specialised
+    on being a multiple of 16, it made a second: W1 on an H100 compiled the attention kernel 4 s mid-run."""
+    launches = {"_attention_kernel": [], "_merge_splits_kernel": []}
+    for name, calls in launches.items():
+        monkeypatch.setattr(paged, name, _Recording(getattr(paged, name), calls))
+    batch = _Batch([(1, 300), (5, 200)], 6, 2, 64, seed=5)
+    for resident in (528, 396):
+        monkeypatch.setattr(paged, "NOMINAL_RESIDENT_PROGRAMS", resident)
+        _check(batch.run(IMPLEMENTATIONS["triton"], *batch.shared_lists(), None, num_splits=3), batch.expected_shared())
+    for name, calls in launches.items():
+        kernel = getattr(paged, name).kernel
+        assert len(calls) == 2 and {triton_specialization(kernel, *call) for call in calls} == {
+            triton_specialization(kernel, *calls[0])
+        }, name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="resident programs are read from a GPU binary")
@@ -475,14 +496,14 @@ def test_the_planner_reads_resident_programs_from_the_compiled_kernel():
 
 
 class _Recording:
-    """Stands in for a kernel: records each launch's arguments, then launches the real one."""
+    """Stands in for a kernel: records each launch's arguments (positional, keyword), then launches the real one."""
 
     def __init__(self, kernel, calls: list) -> None:
         self.kernel, self.calls = kernel, calls
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.calls.append(args)
+            self.calls.append((args, kwargs))
             return self.kernel[grid](*args, **kwargs)
 
         return launch

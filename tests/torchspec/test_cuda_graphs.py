@@ -3,7 +3,6 @@ CUDA; run directly on the CPU) and give the dynamic path's tokens."""
 
 from __future__ import annotations
 
-import inspect
 import re
 import warnings
 from types import SimpleNamespace
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 import attention
+from tests.conftest import triton_specialization
 from tests.torchspec.conftest import Batch, tiny_spec
 from torchspec import sparsespec
 from torchspec.cuda_graphs import CaptureLog, GraphPool, bucket_sizes, capture_graph, held_bucket
@@ -317,27 +317,6 @@ def test_steady_steps_synchronise_at_most_once(draft, delayed_verify, penalised)
     assert all(len(syncs) <= 1 for syncs in per_step), per_step
 
 
-def _specialization(function, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
-    """A launch's constexprs and the specialization key Triton's JIT would compile it under (its rule,
-    modelled): each pointer's 16-byte alignment and each int's being 1 or a multiple of 16, unless the kernel
-    opts that argument out (``do_not_specialize_on_alignment``, ``do_not_specialize``)."""
-    parameters = inspect.signature(function.fn).parameters
-    unaligned = set(function.kwargs.get("do_not_specialize_on_alignment") or ())
-    unspecialized = set(function.kwargs.get("do_not_specialize") or ())
-    # Positional arguments first (constexprs usually come as keywords after them).
-    values = dict(zip(function.arg_names, args, strict=False)) | {n: kwargs[n] for n in parameters if n in kwargs}
-    constexprs, key = [], []
-    for name, parameter in parameters.items():
-        value = values.get(name)
-        if "constexpr" in str(parameter.annotation):
-            constexprs.append((name, value))
-        elif isinstance(value, torch.Tensor) and name not in unaligned:
-            key.append((name, value.data_ptr() % 16 == 0))
-        elif type(value) is int and name not in unspecialized:
-            key.append((name, value == 1, value % 16 == 0))
-    return (function.fn.__name__, *constexprs), tuple(key)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts launches in Triton's CPU interpreter")
 @pytest.mark.parametrize("draft", ["pillar_recent", "query_sketch"])
 @pytest.mark.usefixtures("small_wave")
@@ -351,7 +330,7 @@ def test_a_shrinking_batch_compiles_each_kernel_once(monkeypatch, draft):
     launch = triton_interpreter.InterpretedFunction.run
 
     def recorded(self, *args, **kwargs):
-        constexprs, key = _specialization(self, args, kwargs)
+        constexprs, key = triton_specialization(self, args, kwargs)
         keys.setdefault(constexprs, set()).add(key)
         return launch(self, *args, **kwargs)
 
