@@ -479,9 +479,7 @@ def test_a_configuration_compiles_once_whatever_wave_it_is_planned_for(monkeypat
         _check(batch.run(IMPLEMENTATIONS["triton"], *batch.shared_lists(), None, num_splits=3), batch.expected_shared())
     for name, calls in launches.items():
         kernel = getattr(paged, name).kernel
-        assert len(calls) == 2 and {triton_specialization(kernel, *call) for call in calls} == {
-            triton_specialization(kernel, *calls[0])
-        }, name
+        assert len(calls) == 2 and len({triton_specialization(kernel, *call) for call in calls}) == 1, name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="resident programs are read from a GPU binary")

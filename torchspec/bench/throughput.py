@@ -428,7 +428,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{text}: {record['generated_tokens']} tokens in {record['seconds']:.1f} s, "
             f"{record['tokens_per_s']:.1f} tok/s, {record['steps']} steps ({record['ms_per_step']:.1f} ms, "
-            f"host {record['cpu_ms_per_step']:.1f} ms each), mean accepted {record['mean_accepted']:.2f}"
+            f"host {record['cpu_ms_per_step']:.1f} ms each), mean accepted {record['mean_accepted']:.2f}, "
+            f"{record['kernel_compile_s']:.1f} s compiling kernels mid-run"  # a cold kernel cache's: not the method's
             + ("" if record["completed"] else f" (stopped at the {args.time_limit:g} s time limit)")
         )
         append_record(args.out, record)
