@@ -28,15 +28,16 @@ from torchspec.cuda_graphs import StepGraphs
 from torchspec.runner import Runner
 from torchspec.scheduler import Scheduler, StepPlan
 from torchspec.slot_table import SlotTable
+from torchspec.step_metadata import MetadataBuilder
 
 #: (owner, attribute) of each function timed: the engine loop's calls and what they call, outermost first.
 TIMED = [
     (Scheduler, "schedule"),
     (Runner, "move_kv"),
     (Runner, "launch"),
-    (Runner, "_shifts"),
-    (Runner, "_round_lists"),
-    (Runner, "build_metadata"),
+    (MetadataBuilder, "shifts"),
+    (MetadataBuilder, "round_lists"),
+    (MetadataBuilder, "build"),
     (SlotTable, "gather"),
     (Runner, "_forward"),
     (StepGraphs, "_fill"),

@@ -2,7 +2,7 @@
 kept per batch, captured with the step's forward in one CUDA graph.
 
 A plain step (every request fed its newest token, one query each, no speculation) built by the general path costs
-the host a metadata build (``Runner.build_metadata``: positions, slots and full lists from the slot table), a
+the host a metadata build (``MetadataBuilder.build``: positions, slots and full lists from the slot table), a
 token selection (``Runner._pick``: stop tokens forbidden below ``min_new_tokens``, then the argmax, or a draw from
 the temperature- and top-k-warped distribution, ``WarpedLogits.sample``'s Gumbel-max kernel under a seed drawn
 from the run's generator) and an advance of the table (``Runner._advance``): on one H100 they took 0.75, 1.30 and
@@ -151,7 +151,7 @@ class PlainBatch(RowColumns):
         verifies of one query each), from the slot table as the steps queued before left it: request i is fed
         its newest token at its computed count, writes its K/V to that position's slot and attends to every
         position up to it; padding rows own no query, write the scratch slot and attend to nothing. What
-        ``Runner.build_metadata`` makes of a plain step, with nothing from the host."""
+        ``MetadataBuilder.build`` makes of a plain step, with nothing from the host."""
         rows, real = self.table_rows, self.advance
         positions = self.computed[rows]
         input_ids[0].copy_(self.last_tokens[rows])

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from types import ModuleType
@@ -20,11 +19,11 @@ import torch
 from attention.reference import MAX_SCORED_ROWS
 from torchspec.chain_graphs import ChainGraphs, ChainInputs
 from torchspec.cuda_graphs import StepGraphs
-from torchspec.draft_lists import DraftChoice, DraftForward, DraftKeys, RoundLists, build_lists, offsets
+from torchspec.draft_lists import RoundLists, offsets
 from torchspec.draft_probs import DraftProbsStore, KeptDistributions
 from torchspec.draft_sampling import DraftSampling
 from torchspec.drafting import DraftPolicy
-from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context, verify_mass_buffer
+from torchspec.hf import AttentionMetadata, PagedForwardContext, forward_context
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.kv_offload import HostKVStore
 from torchspec.penalty import TokenPresence
@@ -34,6 +33,7 @@ from torchspec.sampling import DenseProbs, WarpedLogits, reported_scores, suppre
 from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.slot_table import SlotTable
 from torchspec.speculative import accept_greedy, accept_sampled
+from torchspec.step_metadata import MetadataBuilder
 from torchspec.transfer import row_index, to_device
 
 
@@ -66,9 +66,7 @@ class Runner:
         self.generator = generator
         self.num_draft_slots = policy.config.k if policy is not None else 0
         self.list_bound = 0  # the most tokens a request of the current generation may hold (graph list bounds)
-        self._choice_bounds = (0, 0)  # longest request and most recent positions a draft chose for (only grow)
         self.windows = sorted({layer.sliding_window for layer in layers if layer.sliding_window is not None})
-        self.num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
         # The attention scores a request's queries in one tile of (query, GQA head) rows.
         largest_group = max(layer.num_heads // layer.num_kv_heads for layer in layers)
         if policy is not None and policy.uses_verify_scores and largest_group > MAX_SCORED_ROWS:
@@ -78,19 +76,28 @@ class Runner:
             )
         self.max_scored_queries = max(1, MAX_SCORED_ROWS // largest_group)
         self.table = SlotTable(device)
-        self._rows_of: tuple[Callable[[], StepPlan | None], np.ndarray] = (lambda: None, np.zeros(0, np.int64))
+        num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
+        self.builder = MetadataBuilder(
+            self.table, pool, policy, device, self.windows, num_kv_heads, self.max_scored_queries, self.num_draft_slots
+        )
         # The batch of plain steps (``_plain_batch``), with the ids and slot-table rows of its requests.
         self._plain: tuple[list[int] | None, np.ndarray | None, PlainBatch | None] = (None, None, None)
         self.draft_probs = DraftProbsStore(self.num_draft_slots, device)
         self.presence = TokenPresence(device)  # the tokens of requests with a repetition penalty
         self.graphs = None
-        # Layers that draft sparsely (and whose verify mass the policy learns from) -> their KV heads.
-        self.sparse_heads = {layer: self.num_kv_heads[layer] for layer in (policy.sparse_layers if policy else [])}
         if cuda_graphs:
             verify_tokens = self.num_draft_slots + 1
             scored = min(verify_tokens, self.max_scored_queries) if policy and policy.uses_verify_scores else 0
             self.graphs = StepGraphs(
-                self.forward, pool, ops, self.sparse_heads, verify_tokens, scored, max_batch_size, device, generator
+                self.forward,
+                pool,
+                ops,
+                self.builder.sparse_heads,
+                verify_tokens,
+                scored,
+                max_batch_size,
+                device,
+                generator,
             )
         # The later forwards of draft chains as graphs per bucket, one per forward: policies whose lists the runner
         # builds, models without sliding windows, and (when capturing) the default generator, which graphs replay.
@@ -113,214 +120,6 @@ class Runner:
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return to_device(values, self.device)
-
-    def build_metadata(
-        self,
-        plan: StepPlan,
-        input_ids: torch.Tensor | None = None,
-        shifts: torch.Tensor | None = None,
-        lists: RoundLists | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Input ids, positions and attention metadata of the packed batch, built once for all layers.
-        ``input_ids``: the packed tokens already on the device (a verify fed its drafts there), else the plan's.
-        ``shifts``: the items' corrections (``_shifts``) where some start is only known on the device.
-        ``lists``: the draft requests' round lists (``_round_lists``), of which this forward is the first.
-
-        Host work grows with the batch and the step's query tokens, not with the context: slot lists are
-        gathered from the device slot table (see slot_table.py)."""
-        items, columns = plan.scheduled, plan.columns
-        count = len(items)
-        rows = self._table_rows(plan)
-        starts, lengths = columns.first_position, columns.num_query_tokens
-        cu_seqlens_q = offsets(lengths)
-        total = int(cu_seqlens_q[-1])
-        owner = np.repeat(np.arange(count), lengths)  # each query token's request
-        positions = starts[owner] + np.arange(total) - cu_seqlens_q[owner]
-        # One transfer for the step's per-token inputs: slot-table rows, offsets (and token ids). A position is
-        # its request's computed count on the device plus its offset past it; the slot is the table's.
-        per_token_inputs = [rows[owner], positions - columns.device_computed[owner]]
-        if input_ids is None:  # a fed request's first token is a placeholder (0): only the others ask their items
-            tokens = np.zeros(total, np.int64)
-            for i in np.flatnonzero(~columns.fed | (columns.num_query_tokens > 1)).tolist():
-                tokens[cu_seqlens_q[i] : cu_seqlens_q[i + 1]] = items[i].query_token_ids()
-            per_token_inputs.append(tokens)
-        per_token = self._tensor(np.stack(per_token_inputs))
-        position_ids = self.table.computed[per_token[0]] + per_token[1]
-        slots = self.table.slots[per_token[0], position_ids]
-        ends = starts + lengths
-        num_drafts = plan.num_drafts
-        scored = self._scored_queries(plan.scheduled[num_drafts:])
-        full = rows[num_drafts:], np.zeros(count - num_drafts, np.int64), ends[num_drafts:]
-        # A sliding-window layer reads only the entries some query of this step can still see.
-        windowed = {w: (rows, np.maximum(0, starts - w + 1), ends) for w in self.windows}
-        full_shifts = None if shifts is None else shifts[num_drafts:]
-        draft, draft_lists = {}, None
-        if lists is not None:
-            draft, draft_lists = self._layer_views(lists.forward(0, num_drafts)), lists.view.kv_indices
-        full_view = self._view(*full, full_shifts)
-        mass, mass_layers = None, {}
-        if any(scored) and self.sparse_heads:
-            mass, mass_layers = verify_mass_buffer(self.sparse_heads, len(scored), full_view.max_len, self.device)
-        metadata = AttentionMetadata(
-            slot_mapping=slots,
-            cu_seqlens_q=self._tensor(cu_seqlens_q),
-            windowed={w: self._view(*ranges) for w, ranges in windowed.items()},
-            full=full_view,
-            num_drafts=num_drafts,
-            draft=draft,
-            draft_lists=draft_lists,
-            draft_select=self._draft_selector(plan.scheduled[:num_drafts]),
-            draft_choice=self._draft_choice(plan.scheduled[:num_drafts], position_ids[:num_drafts]),
-            num_scored_queries=None if not any(scored) else self._tensor(scored),
-            max_q_len=int(lengths.max()),
-            max_scored_queries=max(scored, default=0),
-            mass=mass,
-            mass_layers=mass_layers,
-        )
-        ids = per_token[2] if input_ids is None else input_ids
-        # Tokens whose input is the request's newest token, which the device holds.
-        fed = np.flatnonzero(columns.fed)
-        if fed.size:
-            index = self._tensor(np.stack([cu_seqlens_q[fed], rows[fed]]))
-            ids[index[0]] = self.table.last_tokens[index[1]]
-        return ids[None], position_ids[None], metadata
-
-    def _table_rows(self, plan: StepPlan) -> np.ndarray:
-        """The slot-table rows of the plan's requests, in plan order (assigned on first use). Kept for the latest
-        plan: its metadata and its advance both ask, a pass of Python over the batch each."""
-        held, rows = self._rows_of
-        if held() is not plan:  # (weakly held: a plan keeps its requests alive, and finished ones must go)
-            items = plan.scheduled
-            rows = np.fromiter((self.table.row(item.request) for item in items), np.int64, len(items))
-            self._rows_of = (weakref.ref(plan), rows)
-        return rows
-
-    def _view(
-        self,
-        rows: Sequence[int] | np.ndarray,
-        starts: Sequence[int] | np.ndarray,
-        ends: Sequence[int] | np.ndarray,
-        shrink: torch.Tensor | None = None,
-    ) -> KVView:
-        """Full lists of positions ``[starts[i], ends[i] - shrink[i])`` (see ``SlotTable.gather``)."""
-        indptr, indices = self.table.gather(rows, starts, ends, shrink)
-        lengths = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
-        return KVView(indptr, indices, int(lengths.max(initial=0)))
-
-    def _shifts(self, plan: StepPlan) -> torch.Tensor | None:
-        """Per item, how many positions before the host's assumption its request really starts, on the device:
-        a round launched ahead (``bound``) assumes the round in flight accepts every draft. None when every
-        item's start is known on the host (nothing to correct)."""
-        if not any(map(attrgetter("bound"), plan.scheduled)):
-            return None
-        sent = self._tensor(np.stack([plan.columns.device_computed, self._table_rows(plan)]))
-        return sent[0] - self.table.computed[sent[1]]
-
-    def _scored_queries(self, items: Sequence[ScheduledRequest]) -> list[int]:
-        """Trailing queries whose attention mass the policy learns from: all queries of a verify, the last
-        k + 1 of a final prefill chunk."""
-        if self.policy is None or not self.policy.uses_verify_scores:
-            return [0] * len(items)
-        most = min(self.policy.config.k + 1, self.max_scored_queries)
-        return [min(item.num_query_tokens, most) if item.samples and item.learns else 0 for item in items]
-
-    def _round_lists(
-        self, drafts: Sequence[ScheduledRequest], rows: Sequence[int], shifts: torch.Tensor | None
-    ) -> RoundLists | None:
-        """The lists every draft forward of the step reads (see ``draft_lists``), the policy asked once per
-        request, at its first draft; None without drafts or where the policy selects inside attention.
-        ``shifts`` (device, per draft; see ``_shifts``): a round launched ahead really starts that many positions
-        earlier, so each forward's list ends that much earlier, and fixed positions past the first draft's true
-        position are padding (K/V there is not this round's yet; the recent run covers what the later drafts
-        see of it)."""
-        if not drafts or self.policy.selects_in_attention:
-            return None
-        requests, count = [item.request for item in drafts], len(drafts)
-        firsts = np.fromiter(map(attrgetter("first_position"), drafts), np.int64, count)
-        chains = np.fromiter(map(attrgetter("chain"), drafts), np.int64, count)
-        asked = (self.policy.draft_positions(r, p) for r, p in zip(requests, firsts.tolist(), strict=True))
-        fixed, recent = zip(*asked, strict=True)
-        recent_from = np.asarray(recent, dtype=np.int64)
-        if shifts is not None:  # a round launched ahead reads at least every position since the committed ones
-            computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, count)
-            recent_from = np.minimum(recent_from, computed)
-        shape = (len(self.policy.sparse_layers), self.policy.num_kv_heads)
-        limit = None if shifts is None else self._tensor(firsts) - shifts
-        view, indptr = build_lists(
-            self.table, shape, np.asarray(rows, np.int64), firsts + chains - 1, fixed, recent_from, limit,
-        )  # fmt: skip
-        # Forward j's list ends at draft j: its chain's drafts after j left off (past its chain: empty).
-        forward = np.arange(chains.max())[:, None]
-        active = forward < chains
-        ends = np.where(active, indptr[1:] - (chains - 1 - forward), indptr[:-1])
-        if shifts is None:
-            return RoundLists(view, self._tensor(ends))
-        sent = self._tensor(np.stack([ends, active]))
-        return RoundLists(view, sent[0] - sent[1] * shifts)
-
-    def _layer_views(self, view: KVView) -> dict[int, KVView]:
-        """Each sparse layer's view of stacked draft lists ``[layers, Hkv, N]``."""
-        per_layer = view.kv_indices.unbind(0)  # one op for all layers (a GPU pays ~10 us of host per op)
-        width = view.kv_indices.shape[1]
-        return {
-            layer: KVView(
-                view.kv_indptr,
-                lists if self.num_kv_heads[layer] == width else lists[: self.num_kv_heads[layer]],
-                view.max_len,
-                view.kv_ends,
-            )
-            for layer, lists in zip(self.policy.sparse_layers, per_layer, strict=True)
-        }
-
-    def _draft_selector(self, items: Sequence[ScheduledRequest]):
-        """For query-aware policies: each layer's lists of the draft requests, chosen by the policy from the
-        layer's own draft queries."""
-        if not items or not self.policy.selects_in_attention or self.policy.chooses_on_device:
-            return None
-        requests = [item.request for item in items]
-        rows = np.fromiter((self.table.row(request) for request in requests), np.int64, len(items))
-        firsts = np.fromiter(map(attrgetter("first_position"), items), np.int64, len(items))
-        device_rows = self._tensor(rows)
-
-        def select(layer: int, queries: torch.Tensor, k_cache: torch.Tensor, scale: float) -> KVView:
-            keys = DraftKeys(self.table, k_cache, device_rows)
-            forward = DraftForward(requests, firsts.tolist(), layer, queries, keys, scale)
-            fixed, recent_from = self.policy.select_for_drafts(forward)
-            return build_lists(self.table, (self.num_kv_heads[layer],), rows, firsts, fixed, recent_from)[0]
-
-        return select
-
-    def _draft_choice(self, items: Sequence[ScheduledRequest], positions: torch.Tensor) -> DraftChoice | None:
-        """For policies that choose on the device: what the draft requests ``items`` (at ``positions``, on the
-        device) choose from. Its widths only grow over a generation (a graph captured once keeps serving)."""
-        if not items or not self.policy.chooses_on_device:
-            return None
-        requests = [item.request for item in items]
-        rows = [self.table.row(request) for request in requests]
-        recent_start = [request.round.recent_start for request in requests]
-        longest = max(request.max_total_tokens for request in requests) + self.num_draft_slots
-        recent = max(item.first_position + 1 - start for item, start in zip(items, recent_start, strict=True))
-        self._choice_bounds = (max(self._choice_bounds[0], longest), max(self._choice_bounds[1], recent))
-        first = self.policy.first_choices(requests)
-        widths = self.policy.widths(*self._choice_bounds, any(first))
-        state = self.policy.prepare(self.table.slots.shape[0], widths, self.device)
-        floor = [max(self.policy.config.min_budget, self.policy.step_share)] * len(items)
-        sent = self._tensor([rows, recent_start, first, floor])
-        return DraftChoice(
-            table=self.table.slots,
-            rows=sent[0],
-            positions=positions,
-            recent_start=sent[1],
-            first=sent[2] != 0,
-            floor=sent[3],
-            widths=widths,
-            choose=self._choose,
-            state=state,
-        )
-
-    def _choose(self, choice: DraftChoice, layer: int, queries: torch.Tensor, scale: float, shared: dict) -> KVView:
-        codes, scales = self.pool.codes[layer], self.pool.scales[layer]
-        return self.policy.choose_lists(choice, layer, queries, codes, scales, scale, shared)
 
     @torch.inference_mode()
     def move_kv(self, plan: StepPlan) -> None:
@@ -362,17 +161,17 @@ class Runner:
         selection and advance on the device) where graphs run. Nothing here waits for the GPU: a round's forwards
         queue back to back, and the next step can be queued before this one is collected."""
         drafts = plan.scheduled[: plan.num_drafts]
-        shifts = self._shifts(plan)
+        shifts = self.builder.shifts(plan)
         draft_shifts = None if shifts is None else shifts[: len(drafts)]
-        draft_rows = self._table_rows(plan)[: len(drafts)].tolist()  # their slot-table and store rows
-        lists = self._round_lists(drafts, draft_rows, draft_shifts)
+        draft_rows = self.builder.rows(plan)[: len(drafts)].tolist()  # their slot-table and store rows
+        lists = self.builder.round_lists(drafts, draft_rows, draft_shifts)
         plain, sampling = self._plain_batch(plan), None
         if plain is not None and self.graphs is not None and not self.windows:  # the whole step in its graph
             contexts = plan.columns.device_computed + 1
             tokens = self.graphs.plain_tokens(plain, contexts, self._max_list_len(plan.scheduled))
             first_row, picks = list(range(len(contexts))), _Picks.plain(tokens)
         else:
-            input_ids, position_ids, metadata = self.build_metadata(plan, shifts=shifts, lists=lists)
+            input_ids, position_ids, metadata = self.builder.build(plan, shifts=shifts, lists=lists)
             logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
             self._learn_from_verify(plan, metadata)
             sampling = self._draft_sampling(drafts, draft_rows, logits.shape[-1], draft_shifts)
@@ -427,14 +226,14 @@ class Runner:
         newest_at = np.cumsum(1 + chains) - 1 - chains
         owner = np.repeat(np.arange(len(rounds)), chains)
         column = np.arange(owner.size) - np.repeat(np.cumsum(chains) - chains, chains)
-        # Zeros where the newest tokens go (build_metadata feeds them from the device) and the drafts, put below.
+        # Zeros where the newest tokens go (the builder feeds them from the device) and the drafts, put below.
         input_ids = torch.zeros(int(newest_at[-1] + chains[-1] + 1), dtype=torch.int64, device=self.device)
         rows = np.array([index for index, _ in rounds])
         index = self._tensor(np.stack([newest_at[owner] + 1 + column, rows[owner], column]))
         input_ids[index[0]] = drafted[index[1], index[2]]
         plan_rows = row_index(rows.tolist(), self.device)
         shifts = None if shifts is None else shifts[plan_rows]
-        input_ids, position_ids, metadata = self.build_metadata(plan, input_ids, shifts)
+        input_ids, position_ids, metadata = self.builder.build(plan, input_ids, shifts)
         logits, first_row = self._forward(plan, input_ids, position_ids, metadata)
         self._learn_from_verify(plan, metadata)
         picks = self._pick(plan, logits, first_row, drafted[plan_rows], shifts=shifts)
@@ -453,7 +252,7 @@ class Runner:
             return
         # Computed past a forward's queries: its prompt tokens, or a verify's newest token, plus accepted drafts.
         gains = columns.num_query_tokens[indices] - columns.checked_drafts[indices]
-        sent = self._tensor(np.concatenate([self._table_rows(plan)[indices], gains]))
+        sent = self._tensor(np.concatenate([self.builder.rows(plan)[indices], gains]))
         rows, gains = sent.view(2, indices.size)
         if picks.emitting:  # their plan indices (ascending, as ``indices``), in picks order
             at = row_index(np.searchsorted(indices, picks.emitting).tolist(), self.device)
@@ -485,7 +284,7 @@ class Runner:
         shifts: torch.Tensor | None,
     ) -> DraftSampling | None:
         """The sampling columns of the step's draft chains (None without drafts; ``rows``: their slot-table
-        rows; ``shifts``: see ``_shifts``), every forward of a chain selecting from them; and room in the
+        rows; ``shifts``: see ``MetadataBuilder.shifts``), every forward of a chain selecting from them; and room in the
         draft-probs store for their rows, the chain graph's spare row included."""
         if not drafts:
             return None
@@ -545,7 +344,7 @@ class Runner:
         max_list_len = self._max_list_len(drafts)
         tokens = first.new_zeros(longest - 1, len(drafts))
         fed = first  # each forward's input tokens: the previous forward's draws
-        metadata = self._chain_metadata(drafts, counts, layout, lists)
+        metadata = self.builder.chain(drafts, counts, layout, lists)
         span = _Span(self.device)
         for forward, (count, position_ids, forward_metadata) in enumerate(metadata, start=1):
             logits = self._logits(
@@ -582,7 +381,7 @@ class Runner:
         choice = None
         if lists is None:
             last = [item.advanced(item.chain - 1) for item in drafts]
-            choice = self._draft_choice(last, grid[0, :count])
+            choice = self.builder.draft_choice(last, grid[0, :count])
         return ChainInputs(
             first_tokens=first,
             positions=grid[0].view(later, count),
@@ -591,50 +390,6 @@ class Runner:
             lists=lists,
             choice=choice,
         )
-
-    def _chain_metadata(
-        self,
-        drafts: Sequence[ScheduledRequest],
-        counts: Sequence[int],
-        layout: torch.Tensor,
-        lists: RoundLists | None,
-    ) -> Iterator[tuple[int, torch.Tensor, AttentionMetadata]]:
-        """Request count, positions and metadata of each later forward of the step's draft chains: views into
-        the round's lists and the layout built for all of them. Forward j's draft requests (the first
-        ``counts[j - 1]``) are advanced along their chains only for what reads them per request: sliding windows,
-        query-aware lists."""
-        counting = torch.arange(len(drafts) + 1, device=self.device)
-        no_verifies = KVView(counting[:1], counting[:0], 0)
-        per_request = bool(self.windows) or self.policy.selects_in_attention
-        start = 0
-        for forward, count in enumerate(counts, start=1):
-            end = start + count
-            items = [item.advanced(forward) for item in drafts[:count]] if per_request else []
-            draft, draft_lists = {}, None
-            if lists is not None:
-                draft, draft_lists = self._layer_views(lists.forward(forward, count)), lists.view.kv_indices
-            windowed = {
-                w: self._view(
-                    [self.table.row(i.request) for i in items],
-                    [max(0, i.first_position - w + 1) for i in items],
-                    [i.first_position + 1 for i in items],
-                )
-                for w in self.windows
-            }
-            metadata = AttentionMetadata(
-                slot_mapping=layout[1, start:end],
-                cu_seqlens_q=counting[: count + 1],
-                windowed=windowed,
-                full=no_verifies,
-                num_drafts=count,
-                draft=draft,
-                draft_lists=draft_lists,
-                draft_select=self._draft_selector(items),
-                draft_choice=self._draft_choice(items, layout[0, start:end]),
-                max_q_len=1,
-            )
-            yield count, layout[0, None, start:end], metadata
-            start = end
 
     def _forward(
         self, plan: StepPlan, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata
@@ -659,12 +414,12 @@ class Runner:
     def _plain_batch(self, plan: StepPlan) -> PlainBatch | None:
         """The columns of a plain decoding step's requests (no speculation, every request fed its newest token),
         kept while the step's requests and their slot-table rows stay the same; None where the step is built by
-        ``build_metadata`` and selects by ``_pick`` (a prompt chunk, a policy, a request whose sampling
+        ``MetadataBuilder.build`` and selects by ``_pick`` (a prompt chunk, a policy, a request whose sampling
         ``PlainBatch`` does not cover)."""
         if self.policy is not None or plan.has_prefill:
             return None
         requests = list(map(attrgetter("request"), plan.scheduled))
-        rows = self._table_rows(plan)
+        rows = self.builder.rows(plan)
         held_ids, held_rows, held = self._plain
         ids = list(map(id, requests))  # the held batch holds its requests: their ids stay theirs
         if ids == held_ids and np.array_equal(rows, held_rows) and held.reads(self.table):
@@ -716,7 +471,7 @@ class Runner:
         if self.policy is None:
             return
         full_items = plan.scheduled[metadata.num_drafts :]
-        scored = self._scored_queries(full_items)
+        scored = self.builder.scored_queries(full_items)
         requests, rows, contexts, first_queries = [], [], [], []
         for row, (item, count) in enumerate(zip(full_items, scored, strict=True)):
             if item.samples and item.learns:
@@ -747,7 +502,7 @@ class Runner:
         speculative.py). ``drafted``: the verifies' drafts on the device (``[requests, n]``, a round verified in
         the step that drafted it), else the host's. ``sampling``: the draft requests' columns (given when the
         plan has drafts), which select their tokens as every later forward of their chains does. ``shifts``:
-        see ``_shifts``.
+        see ``MetadataBuilder.shifts``.
 
         Every random draw covers the whole forward at once, and nothing is read back here: per-request draws
         would cost a host round trip each, which for hundreds of requests costs more than the forward. The

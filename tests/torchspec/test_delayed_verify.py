@@ -189,7 +189,7 @@ def test_rounds_ahead_draft_over_the_whole_recent_window(monkeypatch):
     )  # fmt: skip
     assert wrapped.engine.rounds_ahead
     runner, lists = wrapped.engine.runner, []
-    round_lists, lookup = runner._round_lists, runner.table.lookup
+    round_lists, lookup = runner.builder.round_lists, runner.table.lookup
 
     def spy_round_lists(drafts, rows, shifts):
         seen = {}
@@ -214,7 +214,7 @@ def test_rounds_ahead_draft_over_the_whole_recent_window(monkeypatch):
                     lists.append((position, entries, shifts is not None))
         return built
 
-    monkeypatch.setattr(runner, "_round_lists", spy_round_lists)
+    monkeypatch.setattr(runner.builder, "round_lists", spy_round_lists)
     wrapped.generate(**BATCH.kwargs(), max_new_tokens=40, do_sample=False)
     assert any(ahead for *_, ahead in lists), "no round was launched ahead"
     for position, entries, _ in lists:

@@ -135,7 +135,7 @@ def test_a_graphed_plain_step_builds_the_inputs_build_metadata_does(monkeypatch)
 
     def writing(batch, input_ids, position_ids, metadata, scratch_slot):
         write_inputs(batch, input_ids, position_ids, metadata, scratch_slot)
-        ids, positions, expected = runner.build_metadata(launched[-1])
+        ids, positions, expected = runner.builder.build(launched[-1])
         count = ids.shape[1]
         assert torch.equal(input_ids[0, :count], ids[0]) and torch.equal(position_ids[0, :count], positions[0])
         assert torch.equal(metadata.slot_mapping[:count], expected.slot_mapping)
