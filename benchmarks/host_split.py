@@ -21,14 +21,14 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
-from torchspec import runner as runner_module
-from torchspec import sampling
+from torchspec import sampling, token_picks
 from torchspec.bench.w1 import SAMPLING, warmed_up
 from torchspec.cuda_graphs import StepGraphs
 from torchspec.runner import Runner
 from torchspec.scheduler import Scheduler, StepPlan
 from torchspec.slot_table import SlotTable
 from torchspec.step_metadata import MetadataBuilder
+from torchspec.token_picks import TokenPicker
 
 #: (owner, attribute) of each function timed: the engine loop's calls and what they call, outermost first.
 TIMED = [
@@ -43,11 +43,11 @@ TIMED = [
     (StepGraphs, "_fill"),
     (Runner, "_learn_from_verify"),
     (Runner, "_draft_sampling"),
-    (Runner, "_pick"),
-    (runner_module, "suppress_stop_tokens"),
-    (runner_module, "target_probs"),
+    (TokenPicker, "pick"),
+    (token_picks, "suppress_stop_tokens"),
+    (token_picks, "target_probs"),
     (sampling, "top_k_cutoff"),
-    (Runner, "_accept"),
+    (TokenPicker, "_accept"),
     (Runner, "_advance"),
     (Runner, "_later_drafts"),
     (Runner, "_verify_rounds"),

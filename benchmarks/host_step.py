@@ -66,7 +66,8 @@ def _tiny_model(seed: int) -> torch.nn.Module:
 #: (chain and verify assembly, read-back, scheduling) count as "other". The replays' parts are what a GPU
 #: runs inside a CUDA graph: their ops cost the host nothing there.
 OP_PARTS = {
-    "runner": {"_pick": "token selection", "_learn_from_verify": "verify learning"},
+    "runner": {"_learn_from_verify": "verify learning"},
+    "picker": {"pick": "token selection"},
     "builder": {"build": "step metadata", "round_lists": "draft lists"},
     "graphs": {"_fill": "graph inputs", "_run_forward": "replay (stand-in)"},
     "chain_graphs": {"_fill": "chain graph inputs", "_run": "chain replay (stand-in)"},
@@ -179,7 +180,13 @@ def measure(
             logits=bank_slice("logits", 0, input_ids.shape[1])[None]
         )
     counter = _OpCounter()
-    owners = {"runner": engine.runner, "builder": engine.runner.builder, "graphs": graphs, "chain_graphs": chain_graphs}
+    owners = {
+        "runner": engine.runner,
+        "builder": engine.runner.builder,
+        "picker": engine.runner.picker,
+        "graphs": graphs,
+        "chain_graphs": chain_graphs,
+    }
     for owner, parts in OP_PARTS.items():
         for name, label in parts.items():
             if owners[owner] is not None:

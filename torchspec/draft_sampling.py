@@ -2,7 +2,7 @@
 
 Forward j of a chain (j = 1 .. k - 1) samples for the same requests as forward 0, or a prefix of them (chains
 are sorted longest first), with the same parameters. Building each forward's selection from its requests (the
-general ``Runner._pick``: a pass over the items, NumPy over the rows, parameters sent per forward) cost the host
+general ``TokenPicker.pick``: a pass over the items, NumPy over the rows, parameters sent per forward) cost the host
 ~1.6 ms per forward at batch 256 on the H200, about what the forward's replay costs the GPU. Here the per-request
 columns (temperature, top-k, top-p, stop tokens below ``min_new_tokens``, where each draft distribution is kept)
 are sent once per round, and a forward's selection is a fixed dozen tensor ops on a prefix of them, the same ops

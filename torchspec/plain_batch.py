@@ -3,7 +3,7 @@ kept per batch, captured with the step's forward in one CUDA graph.
 
 A plain step (every request fed its newest token, one query each, no speculation) built by the general path costs
 the host a metadata build (``MetadataBuilder.build``: positions, slots and full lists from the slot table), a
-token selection (``Runner._pick``: stop tokens forbidden below ``min_new_tokens``, then the argmax, or a draw from
+token selection (``TokenPicker.pick``: stop tokens forbidden below ``min_new_tokens``, then the argmax, or a draw from
 the temperature- and top-k-warped distribution, ``WarpedLogits.sample``'s Gumbel-max kernel under a seed drawn
 from the run's generator) and an advance of the table (``Runner._advance``): on one H100 they took 0.75, 1.30 and
 0.20 ms of a W1 step's 3.6 ms of host work, in 51 kernel launches and 18 copies (``benchmarks/host_split.py``). Here the
@@ -11,7 +11,7 @@ per-request columns are sent once while the batch stays the same, and everything
 is read on the device from the slot table (each request's computed count and newest token: its input, position
 and slot, its list of positions, whether its stop tokens are forbidden), so the whole step is one graph: the
 host draws the seed and replays. The same ops run eagerly on the runner's inputs where no graph runs (no CUDA
-graphs, sliding-window layers), so every path selects the same tokens as ``Runner._pick``.
+graphs, sliding-window layers), so every path selects the same tokens as ``TokenPicker.pick``.
 
 Requests that filter by top-p or min-p, penalise repetition, keep their scores or logits, or mix greedy and
 sampled rows take the general path.
@@ -85,7 +85,7 @@ class PlainBatch(RowColumns):
         sample: Sample,
     ) -> PlainBatch | None:
         """The columns of ``requests`` (at rows ``table_rows`` of ``table``), or None when some request's selection
-        needs ``Runner._pick`` (see ``selects_plainly``; greedy and sampled requests mixed)."""
+        needs ``TokenPicker.pick`` (see ``selects_plainly``; greedy and sampled requests mixed)."""
         params = [request.params for request in requests]
         greedy = params[0].greedy
         if any(p.greedy != greedy or not selects_plainly(p) for p in params):

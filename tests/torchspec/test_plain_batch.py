@@ -1,5 +1,5 @@
 """Plain steps select their tokens from columns kept per batch (``torchspec.plain_batch``), inside the step's
-graph where one runs: the same tokens as the general selection (``Runner._pick``), which a request keeping its
+graph where one runs: the same tokens as the general selection (``TokenPicker.pick``), which a request keeping its
 scores still takes."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ OPTIONS = {"kv_capacity_tokens": 512, "max_batch_size": 8}
 def _run(
     params: list[SamplingParams], cuda_graphs: bool, device: str = "cpu", seed: int = 0
 ) -> tuple[list[list[int]], list]:
-    """Each request's tokens, and the selections the plain steps used (None: ``_pick`` selected). On CUDA with the
-    Triton kernels, and graphs captured and replayed where ``cuda_graphs``."""
+    """Each request's tokens, and the selections the plain steps used (None: ``TokenPicker.pick`` selected). On
+    CUDA with the Triton kernels, and graphs captured and replayed where ``cuda_graphs``."""
     backend = {"attention_backend": "triton"} if device == "cuda" else {}
     model = SPEC.build().to(device)
     wrapped = sparsespec.wrap(model, draft=None, cuda_graphs=cuda_graphs, **OPTIONS, **backend)
@@ -72,7 +72,8 @@ def test_plain_steps_select_the_tokens_the_general_selection_does(device, cuda_g
     """Greedy, top-k sampled and unfiltered sampled batches draining one request at a time: every plain step took
     the kept columns (with ``cuda_graphs`` the whole step in the bucket's graph: inputs built from the slot table,
     forward, selection, the table advanced), and each request's tokens equal those of the same run where requests
-    keep their scores (which ``_pick`` selects after a forward built by ``build_metadata``), under the same seed."""
+    keep their scores (which ``TokenPicker.pick`` selects after a forward built by ``MetadataBuilder.build``),
+    under the same seed."""
     ours, used = _run(_params(False, **sampling), cuda_graphs, device)
     assert used and all(selection is not None for selection in used)
     assert len({id(selection) for selection in used}) < len(used), "no selection kept for a batch's next step"
@@ -120,9 +121,9 @@ def test_a_table_grown_mid_batch_gives_the_batch_new_columns():
     assert any(step.reason == "slot table grew" for step in engine.runner.graphs._steps.values())
 
 
-def test_a_graphed_plain_step_builds_the_inputs_build_metadata_does(monkeypatch):
+def test_a_graphed_plain_step_builds_the_inputs_the_metadata_builder_does(monkeypatch):
     """Each plain step's inputs, as its graph builds them from the slot table (``PlainBatch.write_inputs``), equal
-    what ``Runner.build_metadata`` makes of its plan: fed tokens, positions, slots (padding rows: the scratch slot),
+    what ``MetadataBuilder.build`` makes of its plan: fed tokens, positions, slots (padding rows: the scratch slot),
     query offsets and every request's list of slots (a batch of 5 padded to a bucket of 8, draining)."""
     wrapped = sparsespec.wrap(SPEC.build(), draft=None, cuda_graphs=True, **OPTIONS)
     engine, runner = wrapped.engine, wrapped.engine.runner
