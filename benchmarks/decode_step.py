@@ -31,7 +31,7 @@ from torchspec.cuda_graphs import StepGraphs
 from torchspec.kv_cache import bytes_per_token
 from torchspec.models import load_model
 from torchspec.request import SamplingParams
-from torchspec.scheduler import Phase
+from torchspec.step import Phase
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
 

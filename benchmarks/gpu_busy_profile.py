@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from torchspec.bench import gpu_time
 from torchspec.bench.w1 import SAMPLING, warmed_up
-from torchspec.scheduler import StepPlan
+from torchspec.step import StepPlan
 
 # What a decoder layer launches (the LM head's matmul counts with them): every named kind but compiled fusions.
 LAYER_KINDS = frozenset(gpu_time.KERNEL_KINDS.values()) - {"fused elementwise (compiled)"}

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from torchspec import sparsespec
 from torchspec.models import load_model
-from torchspec.scheduler import StepPlan
+from torchspec.step import StepPlan
 from torchspec.workloads import reasoning_prompt_ids
 
 

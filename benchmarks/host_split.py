@@ -25,8 +25,9 @@ from torchspec import sampling, token_picks
 from torchspec.bench.w1 import SAMPLING, warmed_up
 from torchspec.cuda_graphs import StepGraphs
 from torchspec.runner import Runner
-from torchspec.scheduler import Scheduler, StepPlan
+from torchspec.scheduler import Scheduler
 from torchspec.slot_table import SlotTable
+from torchspec.step import StepPlan
 from torchspec.step_metadata import MetadataBuilder
 from torchspec.token_picks import TokenPicker
 

@@ -39,7 +39,7 @@ import torchspec
 from torchspec import sparsespec
 from torchspec.bench.records import append_record, environment, parse_setting
 from torchspec.request import SamplingParams
-from torchspec.scheduler import Phase
+from torchspec.step import Phase
 
 VOCAB_SIZE = 512
 TOP_SITES = 25  # engine lines reported by ops dispatched

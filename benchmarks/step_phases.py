@@ -32,7 +32,7 @@ import time
 
 from torchspec.bench.throughput import allocator_calls_since, allocator_counters
 from torchspec.bench.w1 import SAMPLING, warmed_up
-from torchspec.scheduler import StepPlan
+from torchspec.step import StepPlan
 
 #: The log's name of each phase of the engine loop (``Engine.host_ms``: its host milliseconds, accumulated).
 PHASES = {"sched": "schedule", "launch": "launch", "wait": "read-back", "commit": "commit"}

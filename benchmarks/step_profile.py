@@ -31,7 +31,7 @@ from torchspec import sparsespec
 from torchspec.bench.records import add_engine_arguments, engine_options
 from torchspec.models import load_model
 from torchspec.request import SamplingParams
-from torchspec.scheduler import Phase
+from torchspec.step import Phase
 from torchspec.workloads import reasoning_prompt_ids
 
 SMOLLM2_SHAPE = {

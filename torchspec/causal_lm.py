@@ -23,8 +23,8 @@ from torchspec.hf import probe_attention_layers
 from torchspec.models import find_tokenizer
 from torchspec.parallel.group import TensorParallel
 from torchspec.request import FinishReason, Request
-from torchspec.scheduler import StepPlan
 from torchspec.stats import GenerationStats, RequestStats
+from torchspec.step import StepPlan
 from torchspec.stopping import CriteriaBatch
 from torchspec.streamer import StreamedColumns
 

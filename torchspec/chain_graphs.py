@@ -39,7 +39,8 @@ from torchspec.cuda_graphs import GraphPool, LiveRequests, SharedStorage, StepGr
 from torchspec.draft_lists import DraftChoice, RoundLists
 from torchspec.draft_probs import KeptDistributions
 from torchspec.draft_sampling import DraftSampling
-from torchspec.hf import AttentionMetadata, KVView, PagedForwardContext, forward_context
+from torchspec.hf import PagedForwardContext, forward_context
+from torchspec.step import AttentionMetadata, KVView
 
 
 @dataclass

@@ -36,16 +36,10 @@ import torch
 
 from attention.reference import MASS_DTYPE
 from torchspec.draft_lists import DraftChoice
-from torchspec.hf import (
-    AttentionMetadata,
-    KVView,
-    PagedForwardContext,
-    forward_context,
-    verify_mass_buffer,
-    verify_mass_shape,
-)
+from torchspec.hf import PagedForwardContext, forward_context, verify_mass_buffer, verify_mass_shape
 from torchspec.kv_cache import KVPool
 from torchspec.plain_batch import PlainBatch
+from torchspec.step import AttentionMetadata, KVView
 from torchspec.transfer import to_device
 
 T = TypeVar("T")

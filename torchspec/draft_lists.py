@@ -18,9 +18,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from torchspec.hf import KVView
 from torchspec.request import Request
 from torchspec.slot_table import SlotTable
+from torchspec.step import KVView
 from torchspec.transfer import to_device
 
 

@@ -26,8 +26,9 @@ from torchspec.kv_offload import RESTORE_STAGING_BYTES, OffloadStats, auto_host_
 from torchspec.parallel.group import TensorParallel
 from torchspec.request import FinishReason, Request, SamplingParams
 from torchspec.runner import LaunchedStep, Runner
-from torchspec.scheduler import Scheduler, StepPlan
+from torchspec.scheduler import Scheduler
 from torchspec.stats import GenerationStats, accepted_histogram
+from torchspec.step import StepPlan
 
 StepCallback = Callable[[StepPlan, list[Request]], None]
 # Where the host's time per step goes (``GenerationStats.host_ms``): choosing the step (and its KV moves),

@@ -21,62 +21,15 @@ from transformers import AttentionInterface
 
 from attention.reference import MASS_DTYPE, FirstLists, rotary_embedding
 from torchspec.kv_cache import KVPool, LayerSpec
+from torchspec.step import AttentionMetadata
 
 if TYPE_CHECKING:
-    from torchspec.draft_lists import DraftChoice
+    pass
 
 ATTENTION_NAME = "torchspec"
 
 # Keyword arguments transformers passes to attention functions that need no handling here.
 _IGNORED_ATTENTION_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
-
-
-@dataclass
-class KVView:
-    """The slot lists of a packed batch for one attention kind (full, or one sliding window size)."""
-
-    kv_indptr: torch.Tensor  # [B + 1]
-    kv_indices: torch.Tensor  # [N], or [num_kv_heads, N] for per-head lists
-    max_len: int = 0  # longest list, or a bound on it (host-known): a launch hint, and the width of verify mass
-    # [B]: where each list ends when not at the next one's start (a draft round's forwards read prefixes of one
-    # list per request); None: kv_indptr[1:].
-    kv_ends: torch.Tensor | None = None
-
-
-@dataclass
-class AttentionMetadata:
-    """Built once per step, read by every layer.
-
-    The first ``num_drafts`` requests are draft steps (one query token each): in full-attention layers they
-    read their sparse per-KV-head lists ``draft[layer]``, the other requests read ``full``. Sliding-window
-    layers read ``windowed[window]`` for every request. When ``num_scored_queries`` is set, full-attention
-    layers also record the attention mass of those requests' last queries in ``mass[mass_layers[layer]]``
-    (``[Hkv, verifies, width]``, a row per request that reads ``full``), in the attention's own pass (see
-    ``ops.paged_attention``).
-    """
-
-    slot_mapping: torch.Tensor  # [T]: where each new token's K/V goes
-    cu_seqlens_q: torch.Tensor  # [B + 1]
-    windowed: dict[int, KVView]
-    full: KVView  # lists of the requests from num_drafts on
-    num_drafts: int = 0
-    draft: dict[int, KVView] = field(default_factory=dict)  # per full-attention layer: per-KV-head lists
-    # The draft views' lists, stacked [sparse layers, Hkv, N] (their storage): one copy fills a graph's buffer.
-    draft_lists: torch.Tensor | None = None
-    # Query-aware drafts pick their lists inside attention: (layer, draft queries, K cache, scale) -> lists.
-    draft_select: Callable[[int, torch.Tensor, torch.Tensor, float], KVView] | None = None
-    # Or chosen by the policy on the device, in the forward (query_sketch): what it reads.
-    draft_choice: DraftChoice | None = None
-    num_scored_queries: torch.Tensor | None = None  # [B - num_drafts]; 0 = not scored
-    max_q_len: int = 0  # longest query of a request (a launch hint, known on the host)
-    max_scored_queries: int = 0
-    # Where the forward writes the verify mass (with num_scored_queries): [mass layers, Hkv, verifies, width],
-    # one buffer for all layers, which the draft policy reads in place (no per-layer slices, no stacked copy).
-    mass: torch.Tensor | None = None
-    mass_layers: dict[int, int] = field(default_factory=dict)  # full-attention layer -> its index in ``mass``
-    # [2] on the device: the real drafts and other requests of a graph's bucket, which replays steps of fewer
-    # requests than it holds (the rest padding): full-attention layers split the real ones' lists by it.
-    live_requests: torch.Tensor | None = None
 
 
 def verify_mass_shape(layer_heads: dict[int, int], verifies: int, width: int) -> tuple[int, int, int, int]:

@@ -26,11 +26,11 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from torchspec.hf import AttentionMetadata
 from torchspec.request import Request, SamplingParams
 from torchspec.row_columns import RowColumns
 from torchspec.sampling import TopK, padded_stop_ids, top_k_cutoff
 from torchspec.slot_table import SlotTable
+from torchspec.step import AttentionMetadata
 from torchspec.transfer import to_device
 
 #: The op set's ``WarpedLogits.sample``-style draw: ``(logits, rows, temperature, cutoff, seed) -> tokens``.

@@ -23,14 +23,14 @@ from torchspec.draft_lists import RoundLists
 from torchspec.draft_probs import DraftProbsStore
 from torchspec.draft_sampling import DraftSampling
 from torchspec.drafting import DraftPolicy
-from torchspec.hf import AttentionMetadata, PagedForwardContext, forward_context
+from torchspec.hf import PagedForwardContext, forward_context
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.kv_offload import HostKVStore
 from torchspec.penalty import TokenPresence
 from torchspec.plain_batch import PlainBatch
 from torchspec.request import Request
-from torchspec.scheduler import Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.slot_table import SlotTable
+from torchspec.step import AttentionMetadata, Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.step_metadata import MetadataBuilder
 from torchspec.token_picks import KeptRows, Picks, TokenPicker
 from torchspec.transfer import row_index, to_device

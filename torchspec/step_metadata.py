@@ -14,10 +14,10 @@ import torch
 
 from torchspec.draft_lists import DraftChoice, DraftForward, DraftKeys, RoundLists, build_lists, offsets
 from torchspec.drafting import DraftPolicy
-from torchspec.hf import AttentionMetadata, KVView, verify_mass_buffer
+from torchspec.hf import verify_mass_buffer
 from torchspec.kv_cache import KVPool
-from torchspec.scheduler import ScheduledRequest, StepPlan
 from torchspec.slot_table import SlotTable
+from torchspec.step import AttentionMetadata, KVView, ScheduledRequest, StepPlan
 from torchspec.transfer import to_device
 
 

@@ -16,7 +16,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from torchspec.request import Request
-from torchspec.scheduler import StepPlan
+from torchspec.step import StepPlan
 
 
 class StreamedColumns:

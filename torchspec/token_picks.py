@@ -20,9 +20,9 @@ from torchspec.drafting import DraftPolicy
 from torchspec.penalty import TokenPresence
 from torchspec.request import SamplingParams
 from torchspec.sampling import DenseProbs, WarpedLogits, reported_scores, suppress_stop_tokens, target_probs
-from torchspec.scheduler import Phase, ScheduledRequest, StepPlan
 from torchspec.slot_table import SlotTable
 from torchspec.speculative import accept_greedy, accept_sampled
+from torchspec.step import Phase, ScheduledRequest, StepPlan
 from torchspec.transfer import row_index, to_device
 
 

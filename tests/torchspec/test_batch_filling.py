@@ -10,7 +10,7 @@ import pytest
 from tests.torchspec.conftest import Batch, tiny_spec
 from torchspec import sparsespec
 from torchspec.request import SamplingParams
-from torchspec.scheduler import Phase, StepPlan
+from torchspec.step import Phase, StepPlan
 
 MAX_STEP_TOKENS = 12
 

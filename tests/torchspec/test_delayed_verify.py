@@ -22,7 +22,8 @@ from torchspec import sparsespec
 from torchspec.drafting import POLICIES
 from torchspec.request import SamplingParams
 from torchspec.runner import LaunchedStep
-from torchspec.scheduler import Phase, Scheduler, StepPlan
+from torchspec.scheduler import Scheduler
+from torchspec.step import Phase, StepPlan
 
 SPECS = [tiny_spec("llama", 2), tiny_spec("qwen3", 4)]
 BATCH = Batch((40, 77, 9, 150, 101, 23), seed=3)

@@ -12,7 +12,7 @@ import pytest
 from tests.torchspec.conftest import Batch, tiny_spec
 from torchspec import sparsespec
 from torchspec.request import SamplingParams
-from torchspec.scheduler import StepPlan
+from torchspec.step import StepPlan
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from tests.torchspec.conftest import (
     tiny_spec,
 )
 from torchspec import sparsespec
-from torchspec.scheduler import Phase
+from torchspec.step import Phase
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

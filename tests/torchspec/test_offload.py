@@ -23,7 +23,8 @@ from torchspec.host_arena import HostArena, HostMemoryError
 from torchspec.kv_cache import SlotAllocator
 from torchspec.kv_offload import OffloadStats
 from torchspec.request import FinishReason, Request, SamplingParams
-from torchspec.scheduler import RESTORE_POOL_SHARE, RESTORE_ROUNDS, Phase, ScheduledRequest, Scheduler, StepPlan
+from torchspec.scheduler import RESTORE_POOL_SHARE, RESTORE_ROUNDS, Scheduler
+from torchspec.step import Phase, ScheduledRequest, StepPlan
 
 SPEC = tiny_spec("llama", 2)
 BATCH = Batch((40, 77, 9, 50, 31, 23), seed=3)

@@ -27,7 +27,7 @@ from tests.torchspec.conftest import (
 from torchspec import sparsespec
 from torchspec.request import SamplingParams
 from torchspec.runner import LaunchedStep
-from torchspec.scheduler import StepPlan
+from torchspec.step import StepPlan
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

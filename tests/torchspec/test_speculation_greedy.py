@@ -39,7 +39,7 @@ from torchspec.drafting.pillar_quest import PillarQuestPolicy
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request, SamplingParams
 from torchspec.runner import LaunchedStep
-from torchspec.scheduler import Phase, StepResult
+from torchspec.step import Phase, StepResult
 from torchspec.workloads import chat_token_ids, read_prompts
 
 pytestmark = pytest.mark.usefixtures("single_thread")

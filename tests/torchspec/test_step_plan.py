@@ -4,7 +4,7 @@ entry must be what the scheduled request itself says, for every kind of step in 
 from __future__ import annotations
 
 from torchspec.request import Request, SamplingParams
-from torchspec.scheduler import Phase, PlanColumns, ScheduledRequest, StepPlan
+from torchspec.step import Phase, PlanColumns, ScheduledRequest, StepPlan
 
 
 def _request(prompt: int, generated: int, computed: int, drafts: list[int] | None = None) -> Request:

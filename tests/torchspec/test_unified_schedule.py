@@ -19,7 +19,7 @@ import torch
 from tests.torchspec.conftest import Batch, assert_no_slot_leak, tiny_spec
 from torchspec import sparsespec
 from torchspec.drafting import POLICIES
-from torchspec.scheduler import Phase, StepPlan
+from torchspec.step import Phase, StepPlan
 
 SPEC = tiny_spec("llama", 2)
 BATCH = Batch((40, 77, 9, 150, 101, 23, 60, 31, 12, 88), seed=3)

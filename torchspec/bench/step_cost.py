@@ -38,7 +38,7 @@ from torchspec.engine import Engine
 from torchspec.kv_cache import reclaim_device_memory
 from torchspec.parallel.layout import LayoutError, kv_heads_per_rank
 from torchspec.request import Request, SamplingParams
-from torchspec.scheduler import Phase, StepPlan
+from torchspec.step import Phase, StepPlan
 
 _QWEN3 = {"vocab_size": 151936, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960}
 #: The shapes ``--model-config`` knows (Qwen3's published configurations; the weights are random).

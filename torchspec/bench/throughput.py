@@ -45,7 +45,7 @@ from torchspec.kv_cache import reclaim_device_memory
 from torchspec.kv_offload import OffloadStats
 from torchspec.models import load_model
 from torchspec.request import Request
-from torchspec.scheduler import StepPlan
+from torchspec.step import StepPlan
 from torchspec.workloads import reasoning_prompt_ids
 
 

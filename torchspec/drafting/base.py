@@ -19,9 +19,9 @@ import torch
 import attention
 from torchspec.config import SpecConfig
 from torchspec.draft_lists import ChoiceWidths, DraftChoice, DraftForward
-from torchspec.hf import KVView
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
+from torchspec.step import KVView
 
 
 class DraftPolicy:

@@ -24,9 +24,9 @@ from torchspec.config import SpecConfig
 from torchspec.draft_lists import ChoiceWidths, DraftChoice
 from torchspec.drafting.base import DraftPolicy
 from torchspec.drafting.pillar_recent import DEFAULT_WINDOW
-from torchspec.hf import KVView
 from torchspec.kv_cache import LayerSpec
 from torchspec.request import Request
+from torchspec.step import KVView
 
 
 class QuerySketchPolicy(DraftPolicy):
