@@ -194,7 +194,7 @@ class KVView:
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step, read by every layer.
+    """Built once per forward (``MetadataBuilder``), read by every layer.
 
     The first ``num_drafts`` requests are draft steps (one query token each): in full-attention layers they
     read their sparse per-KV-head lists ``draft[layer]``, the other requests read ``full``. Sliding-window
