@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +22,6 @@ from transformers import AttentionInterface
 from attention.reference import MASS_DTYPE, FirstLists, rotary_embedding
 from torchspec.kv_cache import KVPool, LayerSpec
 from torchspec.step import AttentionMetadata
-
-if TYPE_CHECKING:
-    pass
 
 ATTENTION_NAME = "torchspec"
 

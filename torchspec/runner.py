@@ -73,11 +73,11 @@ class Runner:
                 f"draft={policy.name!r} learns from the verify's attention, which is scored for GQA groups of at most "
                 f"{MAX_SCORED_ROWS} query heads; this model has {largest_group}: use draft='streaming'"
             )
-        self.max_scored_queries = max(1, MAX_SCORED_ROWS // largest_group)
+        max_scored_queries = max(1, MAX_SCORED_ROWS // largest_group)
         self.table = SlotTable(device)
         num_kv_heads = {layer.layer_idx: layer.num_kv_heads for layer in layers}
         self.builder = MetadataBuilder(
-            self.table, pool, policy, device, self.windows, num_kv_heads, self.max_scored_queries, self.num_draft_slots
+            self.table, pool, policy, device, self.windows, num_kv_heads, max_scored_queries, self.num_draft_slots
         )
         # The batch of plain steps (``_plain_batch``), with the ids and slot-table rows of its requests.
         self._plain: tuple[list[int] | None, np.ndarray | None, PlainBatch | None] = (None, None, None)
@@ -87,7 +87,7 @@ class Runner:
         self.graphs = None
         if cuda_graphs:
             verify_tokens = self.num_draft_slots + 1
-            scored = min(verify_tokens, self.max_scored_queries) if policy and policy.uses_verify_scores else 0
+            scored = min(verify_tokens, max_scored_queries) if policy and policy.uses_verify_scores else 0
             self.graphs = StepGraphs(
                 self.forward,
                 pool,
@@ -117,9 +117,6 @@ class Runner:
     def num_captures(self) -> int:
         """CUDA graphs captured so far (step and chain graphs share one log)."""
         return self.graphs.captures.count if self.graphs is not None else 0
-
-    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
-        return to_device(values, self.device)
 
     @torch.inference_mode()
     def move_kv(self, plan: StepPlan) -> None:
@@ -229,7 +226,7 @@ class Runner:
         # Zeros where the newest tokens go (the builder feeds them from the device) and the drafts, put below.
         input_ids = torch.zeros(int(newest_at[-1] + chains[-1] + 1), dtype=torch.int64, device=self.device)
         rows = np.array([index for index, _ in rounds])
-        index = self._tensor(np.stack([newest_at[owner] + 1 + column, rows[owner], column]))
+        index = to_device(np.stack([newest_at[owner] + 1 + column, rows[owner], column]), self.device)
         input_ids[index[0]] = drafted[index[1], index[2]]
         plan_rows = row_index(rows.tolist(), self.device)
         shifts = None if shifts is None else shifts[plan_rows]
@@ -252,7 +249,7 @@ class Runner:
             return
         # Computed past a forward's queries: its prompt tokens, or a verify's newest token, plus accepted drafts.
         gains = columns.num_query_tokens[indices] - columns.checked_drafts[indices]
-        sent = self._tensor(np.concatenate([self.builder.rows(plan)[indices], gains]))
+        sent = to_device(np.concatenate([self.builder.rows(plan)[indices], gains]), self.device)
         rows, gains = sent.view(2, indices.size)
         if picks.emitting:  # their plan indices (ascending, as ``indices``), in picks order
             at = row_index(np.searchsorted(indices, picks.emitting).tolist(), self.device)
@@ -265,7 +262,7 @@ class Runner:
         chunks = [plan.scheduled[i] for i in indices[columns.sampled_rows[indices] == 0].tolist()]
         if chunks:
             newest = [item.request.token_ids[item.first_position + item.num_query_tokens] for item in chunks]
-            index = self._tensor([[self.table.row(item.request) for item in chunks], newest])
+            index = to_device([[self.table.row(item.request) for item in chunks], newest], self.device)
             self.table.last_tokens[index[0]] = index[1]
 
     def _record_tokens(self, plan: StepPlan, picks: Picks, rows: torch.Tensor) -> None:
@@ -331,7 +328,7 @@ class Runner:
         entry_positions = first_positions[owner] + np.repeat(np.arange(1, longest), counts)
         entry_rows = np.array(draft_rows)[owner]
         computed = np.fromiter(map(attrgetter("device_computed"), drafts), np.int64, len(drafts))[owner]
-        sent = self._tensor(np.stack([entry_positions - computed, entry_rows]))  # offsets past computed, rows
+        sent = to_device(np.stack([entry_positions - computed, entry_rows]), self.device)  # offsets past computed, rows
         entry_positions_t = self.table.computed[sent[1]] + sent[0]
         layout = torch.stack([entry_positions_t, self.table.slots[sent[1], entry_positions_t]])  # positions, slots
         # Sampled once per forward from the round's columns: the chain graph's ops, or the same ops per forward.
@@ -374,7 +371,7 @@ class Runner:
         forward. Without ``lists`` the policy chooses on the device, for positions up to each chain's last."""
         count, later = first.shape[0], len(counts)
         # Each layout entry's place in the [later, count] grid.
-        targets = self._tensor([j * count + i for j, active in enumerate(counts) for i in range(active)])
+        targets = to_device([j * count + i for j, active in enumerate(counts) for i in range(active)], self.device)
         grid = layout.new_zeros(2, later * count)  # padding: position 0, the scratch slot
         grid[1] = self.pool.scratch_slot
         grid[:, targets] = layout
@@ -456,7 +453,10 @@ class Runner:
             context = PagedForwardContext(metadata=metadata, pool=self.pool, ops=self.ops)
             with forward_context(context):
                 output = self.forward(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=self._tensor(rows)
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    use_cache=False,
+                    logits_to_keep=to_device(rows, self.device),
                 )
             logits = output.logits[0]
         return logits

@@ -60,7 +60,6 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -71,9 +70,6 @@ from torchspec.request import DraftRound, FinishReason, Request, RequestStatus
 from torchspec.round_length import RoundLength
 from torchspec.step import Phase, ScheduledRequest, StepPlan, StepResult
 from torchspec.stopping import CriteriaBatch
-
-if TYPE_CHECKING:
-    pass
 
 # Slots a request running with ``offload`` gets at a time, at least (fewer top-ups, each a slot-table write).
 SLOT_CHUNK = 32

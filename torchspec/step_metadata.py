@@ -49,9 +49,6 @@ class MetadataBuilder:
         self._choice_bounds = (0, 0)  # longest request and most recent positions a draft chose for (only grow)
         self._rows_of: tuple[Callable[[], StepPlan | None], np.ndarray] = (lambda: None, np.zeros(0, np.int64))
 
-    def _tensor(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
-        return to_device(values, self.device)
-
     def rows(self, plan: StepPlan) -> np.ndarray:
         """The slot-table rows of the plan's requests, in plan order (assigned on first use). Kept for the latest
         plan: its metadata and its advance both ask, a pass of Python over the batch each."""
@@ -92,7 +89,7 @@ class MetadataBuilder:
             for i in np.flatnonzero(~columns.fed | (columns.num_query_tokens > 1)).tolist():
                 tokens[cu_seqlens_q[i] : cu_seqlens_q[i + 1]] = items[i].query_token_ids()
             per_token_inputs.append(tokens)
-        per_token = self._tensor(np.stack(per_token_inputs))
+        per_token = to_device(np.stack(per_token_inputs), self.device)
         position_ids = self.table.computed[per_token[0]] + per_token[1]
         slots = self.table.slots[per_token[0], position_ids]
         ends = starts + lengths
@@ -111,7 +108,7 @@ class MetadataBuilder:
             mass, mass_layers = verify_mass_buffer(self.sparse_heads, len(scored), full_view.max_len, self.device)
         metadata = AttentionMetadata(
             slot_mapping=slots,
-            cu_seqlens_q=self._tensor(cu_seqlens_q),
+            cu_seqlens_q=to_device(cu_seqlens_q, self.device),
             windowed={w: self._view(*ranges) for w, ranges in windowed.items()},
             full=full_view,
             num_drafts=num_drafts,
@@ -119,7 +116,7 @@ class MetadataBuilder:
             draft_lists=draft_lists,
             draft_select=self._draft_selector(plan.scheduled[:num_drafts]),
             draft_choice=self.draft_choice(plan.scheduled[:num_drafts], position_ids[:num_drafts]),
-            num_scored_queries=None if not any(scored) else self._tensor(scored),
+            num_scored_queries=None if not any(scored) else to_device(scored, self.device),
             max_q_len=int(lengths.max()),
             max_scored_queries=max(scored, default=0),
             mass=mass,
@@ -129,7 +126,7 @@ class MetadataBuilder:
         # Tokens whose input is the request's newest token, which the device holds.
         fed = np.flatnonzero(columns.fed)
         if fed.size:
-            index = self._tensor(np.stack([cu_seqlens_q[fed], rows[fed]]))
+            index = to_device(np.stack([cu_seqlens_q[fed], rows[fed]]), self.device)
             ids[index[0]] = self.table.last_tokens[index[1]]
         return ids[None], position_ids[None], metadata
 
@@ -139,7 +136,7 @@ class MetadataBuilder:
         item's start is known on the host (nothing to correct)."""
         if not any(map(attrgetter("bound"), plan.scheduled)):
             return None
-        sent = self._tensor(np.stack([plan.columns.device_computed, self.rows(plan)]))
+        sent = to_device(np.stack([plan.columns.device_computed, self.rows(plan)]), self.device)
         return sent[0] - self.table.computed[sent[1]]
 
     def scored_queries(self, items: Sequence[ScheduledRequest]) -> list[int]:
@@ -171,7 +168,7 @@ class MetadataBuilder:
             computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, count)
             recent_from = np.minimum(recent_from, computed)
         shape = (len(self.policy.sparse_layers), self.policy.num_kv_heads)
-        limit = None if shifts is None else self._tensor(firsts) - shifts
+        limit = None if shifts is None else to_device(firsts, self.device) - shifts
         view, indptr = build_lists(
             self.table, shape, np.asarray(rows, np.int64), firsts + chains - 1, fixed, recent_from, limit,
         )  # fmt: skip
@@ -180,8 +177,8 @@ class MetadataBuilder:
         active = forward < chains
         ends = np.where(active, indptr[1:] - (chains - 1 - forward), indptr[:-1])
         if shifts is None:
-            return RoundLists(view, self._tensor(ends))
-        sent = self._tensor(np.stack([ends, active]))
+            return RoundLists(view, to_device(ends, self.device))
+        sent = to_device(np.stack([ends, active]), self.device)
         return RoundLists(view, sent[0] - sent[1] * shifts)
 
     def chain(
@@ -243,7 +240,7 @@ class MetadataBuilder:
         widths = self.policy.widths(*self._choice_bounds, any(first))
         state = self.policy.prepare(self.table.slots.shape[0], widths, self.device)
         floor = [max(self.policy.config.min_budget, self.policy.step_share)] * len(items)
-        sent = self._tensor([rows, recent_start, first, floor])
+        sent = to_device([rows, recent_start, first, floor], self.device)
         return DraftChoice(
             table=self.table.slots,
             rows=sent[0],
@@ -290,7 +287,7 @@ class MetadataBuilder:
         requests = [item.request for item in items]
         rows = np.fromiter((self.table.row(request) for request in requests), np.int64, len(items))
         firsts = np.fromiter(map(attrgetter("first_position"), items), np.int64, len(items))
-        device_rows = self._tensor(rows)
+        device_rows = to_device(rows, self.device)
 
         def select(layer: int, queries: torch.Tensor, k_cache: torch.Tensor, scale: float) -> KVView:
             keys = DraftKeys(self.table, k_cache, device_rows)

@@ -48,9 +48,6 @@ class TokenPicker:
         self.device = device
         self.generator = generator
 
-    def _tensor(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
-        return to_device(values, self.device)
-
     def pick(
         self,
         plan: StepPlan,
@@ -94,8 +91,8 @@ class TokenPicker:
             slack = np.fromiter((item.ahead if item.bound else 0 for item in items), np.int64, num_items)
             unsure = np.flatnonzero(~below & (outputs - slack[owner] < min_new[owner]))
             if unsure.size:
-                margin = self._tensor(outputs[unsure] - min_new[owner[unsure]])
-                when = margin < shifts[self._tensor(owner[unsure])]
+                margin = to_device(outputs[unsure] - min_new[owner[unsure]], self.device)
+                when = margin < shifts[to_device(owner[unsure], self.device)]
                 suppress_stop_tokens(logits, unsure, [stops[i] for i in owner[unsure].tolist()], when)
         greedy = np.fromiter(map(attrgetter("greedy"), params), bool, num_items)
         # Verifies and final prompt chunks emit tokens: accepted drafts and the next token, on the device.
@@ -157,7 +154,7 @@ class TokenPicker:
         if not keeping:
             return None
         rows = np.concatenate([np.arange(first[i], first[i] + counts[i]) for i in keeping])
-        index = self._tensor(rows)
+        index = to_device(rows, self.device)
         starts = offsets(counts[keeping])[:-1].tolist()
         raw = logits[index].float() if any(params[i].output_logits for i in keeping) else None
         return KeptRows(
@@ -179,7 +176,7 @@ class TokenPicker:
         if not n:  # plain steps and final prompt chunks: nothing to copy over
             return torch.zeros(len(items), 0, dtype=torch.int64, device=self.device)
         rounds = [item.request.round.tokens if item.phase is Phase.VERIFY else [] for item in items]
-        return self._tensor([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds]).view(len(rounds), n)
+        return to_device([[*tokens, *[0] * (n - len(tokens))] for tokens in rounds], self.device).view(len(rounds), n)
 
     def _draft_entropies(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         """Predictive entropy of each draft row (``[rows]``), for policies that steer the round length by it."""
@@ -202,7 +199,7 @@ class TokenPicker:
         batch. ``emitting``: (index in the plan, item, first row); ``greedy``: per plan index; ``drafts``: theirs
         (``_emitting_drafts``)."""
         counts = [item.checked_drafts for _, item, _ in emitting]
-        meta = self._tensor([counts, [row for _, _, row in emitting]])
+        meta = to_device([counts, [row for _, _, row in emitting]], self.device)
         num_drafts, first_rows = meta
         # Each round's rows, from its first: its newest token's and one per draft (padding repeats the last).
         steps = torch.minimum(torch.arange(drafts.shape[1] + 1, device=self.device), num_drafts[:, None])
@@ -239,7 +236,7 @@ class TokenPicker:
         count as point masses."""
         n = drafts.shape[1]
         # A verify's rows are consecutive, all sampled (one request's parameters): so are its ``targets`` rows.
-        target_rows = self._tensor(target_index[[row for _, _, row in verifies]])[:, None] + steps
+        target_rows = to_device(target_index[[row for _, _, row in verifies]], self.device)[:, None] + steps
         if not n:  # plain steps and final prompt chunks: a sample from p, no draft distribution to read
             return accept_sampled(targets, target_rows, drafts, None, None, num_drafts, self.generator)
         # Proposed drafts as point masses, one row per verify; sampled drafts' distributions are the store's, read
@@ -250,7 +247,7 @@ class TokenPicker:
             kept_rows = torch.arange(len(verifies), device=self.device)
         else:
             kept = self.draft_probs.kept
-            kept_rows = self._tensor([self.table.row(item.request) for _, item, _ in verifies])
+            kept_rows = to_device([self.table.row(item.request) for _, item, _ in verifies], self.device)
         return accept_sampled(targets, target_rows, drafts, kept, kept_rows, num_drafts, self.generator)
 
 
